@@ -1,0 +1,1 @@
+"""dataplane: a pluggable data plane for distributed RL post-training."""
