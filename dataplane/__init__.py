@@ -1,1 +1,44 @@
-"""dataplane: a pluggable data plane for distributed RL post-training."""
+"""dataplane: a pluggable data plane for distributed RL post-training.
+
+Move rollout tensors between rollout workers, the driver and training ranks through an existing
+distributed store; the driver only holds a small :class:`KVBatchMeta`.
+
+>>> import dataplane, torch
+>>> with dataplane.connect() as client:
+...     meta = client.kv_batch_put(["a", "b"], {"reward": torch.tensor([1.0, 0.0])}, partition_id="train")
+...     client.kv_batch_get(meta, select_fields=["reward"])["reward"].tolist()
+[1.0, 0.0]
+"""
+
+from dataplane.client import Capabilities, DataPlaneClient
+from dataplane.errors import (
+    BackendUnavailable,
+    CapacityExceeded,
+    ClientClosed,
+    DataPlaneError,
+    DataPlaneTimeout,
+    InvalidArgument,
+    KeyNotFound,
+    SchemaError,
+)
+from dataplane.meta import KVBatchMeta
+from dataplane.registry import available_adapters, connect, register_adapter
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendUnavailable",
+    "Capabilities",
+    "CapacityExceeded",
+    "ClientClosed",
+    "DataPlaneClient",
+    "DataPlaneError",
+    "DataPlaneTimeout",
+    "InvalidArgument",
+    "KVBatchMeta",
+    "KeyNotFound",
+    "SchemaError",
+    "available_adapters",
+    "connect",
+    "register_adapter",
+]

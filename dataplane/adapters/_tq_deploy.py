@@ -1,0 +1,627 @@
+"""Deployment lifecycle of TransferQueue (``transferqueue`` 0.1.11) for the TQ adapter.
+
+One TransferQueue exists per Ray cluster: a named actor ``TransferQueueController`` (namespace
+``transfer_queue``) plus a storage backend. :func:`start_or_attach` either *attaches* to the one that
+runs (``owner=False``; this is how a Ray actor or task joins with no arguments) or *starts* one and
+owns it (``owner=True``). Only the owner tears shared things down.
+
+Facts this module is built on (``shared/research/tq.md`` and ``scratch/tq/NOTES.md``):
+
+* ``tq.init`` hangs forever, silently, when Ray lacks ``1 + num_storage_units`` free CPUs: the
+  controller and each SimpleStorage unit ask for ``num_cpus=1``. We check first and bound it.
+* TQ reads its timeouts from the environment *at import time* (``TQ_SIMPLE_STORAGE_*``,
+  ``TQ_NUM_THREADS``...). We set them before the first import, patch the module constants when
+  ``transfer_queue`` was already imported, and put them in the Ray job's ``runtime_env`` when we call
+  ``ray.init`` (actors of the job inherit it). :meth:`TQDeployment.runtime_env` gives the same
+  dict for actors of a Ray you started yourself.
+* ``tq.close()`` kills the shared controller in *every* process; a non-owner must only close its
+  own client. No TQ path closes the Mooncake store client; we do.
+* Mooncake ``auto_init`` pkills every ``mooncake_master`` on the host: we always use
+  ``auto_init: false`` and run our own master (``_mooncake_procs.start_master``), stopped by PID.
+* Every Mooncake client lends ``global_segment_size`` bytes and objects placed there die with that
+  process. The owner lends ``mooncake_segment_bytes``; it then re-stores the shared config with
+  ``mooncake_worker_segment_bytes`` (default 0), so processes that attach lend nothing.
+* Controller RPCs have no timeout. Bound every call with :meth:`TQDeployment.call` /
+  :meth:`TQDeployment.acall` (see their docstrings for why this way).
+
+``ray`` and ``transfer_queue`` are imported lazily, inside functions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CONTROLLER_NAME",
+    "TQ_NAMESPACE",
+    "TQDeployConfig",
+    "TQDeployment",
+    "start_or_attach",
+    "tq_env",
+]
+
+CONTROLLER_NAME = "TransferQueueController"
+TQ_NAMESPACE = "transfer_queue"
+STORAGE_UNIT_NAME = "TransferQueueStorageUnit#{}"
+
+_GIB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TQDeployConfig:
+    """How to find or start TransferQueue.
+
+    Attributes:
+        storage: ``"simple"`` (TQ's SimpleStorage actors) or ``"mooncake"`` (MooncakeStore, TCP).
+        num_storage_units: SimpleStorage units (one Ray actor and 1 Ray CPU each).
+        storage_capacity_rows: SimpleStorage ``total_storage_size``, a row count (not bytes).
+        ray_address: Ray to join. ``None``: use this process's Ray if it has one, else
+            ``$RAY_ADDRESS``, else start a local Ray (never a ``ray start`` cluster found on disk).
+        ray_num_cpus: CPUs of a Ray we start; default controller + units + ``max(2, cores)``.
+        ray_init_kwargs: extra ``ray.init`` arguments when we call it (our env vars are merged
+            into any ``runtime_env`` given here).
+        init_timeout_s: bound on start-up (``tq.init``) or attach.
+        op_timeout_s: default bound of :meth:`TQDeployment.call`; also sizes TQ's own timeouts.
+        mooncake_master_address: join this master instead of starting one (never stopped by us).
+        mooncake_segment_bytes: memory the owner lends to the Mooncake pool (= capacity).
+        mooncake_worker_segment_bytes: memory each attached process lends (0 = pure client).
+        mooncake_local_buffer_bytes: Mooncake client ``local_buffer_size`` (TQ only uses ptr APIs).
+        mooncake_hard_pin: hard-pin objects, so a full pool gives -200 instead of silent eviction.
+        local_hostname: address Mooncake clients announce.
+        tq_env: extra/overriding TQ environment variables (see :func:`tq_env`).
+        tq_conf: dict merged last into the ``tq.init`` config (escape hatch).
+    """
+
+    storage: Literal["simple", "mooncake"] = "simple"
+    num_storage_units: int = 1
+    storage_capacity_rows: int | None = None
+    ray_address: str | None = None
+    ray_num_cpus: int | None = None
+    ray_init_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    init_timeout_s: float = 60.0
+    op_timeout_s: float = 30.0
+    mooncake_master_address: str | None = None
+    mooncake_segment_bytes: int = _GIB
+    mooncake_worker_segment_bytes: int = 0
+    mooncake_local_buffer_bytes: int = 64 << 20
+    mooncake_hard_pin: bool = True
+    local_hostname: str = "127.0.0.1"
+    tq_env: Mapping[str, str] = field(default_factory=dict)
+    tq_conf: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.storage not in ("simple", "mooncake"):
+            raise ValueError(f"storage must be 'simple' or 'mooncake', got {self.storage!r}")
+        if self.num_storage_units < 1:
+            raise ValueError(f"num_storage_units must be >= 1, got {self.num_storage_units}")
+        if self.storage_capacity_rows is not None and self.storage_capacity_rows < 1:
+            raise ValueError(f"storage_capacity_rows must be >= 1 or None, got {self.storage_capacity_rows}")
+        if self.storage_capacity_rows is not None and self.storage != "simple":
+            raise ValueError("storage_capacity_rows applies to storage='simple' only; size Mooncake "
+                             "with mooncake_segment_bytes")
+        for name in ("init_timeout_s", "op_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.mooncake_segment_bytes <= 0:
+            raise ValueError("mooncake_segment_bytes must be > 0: the owner's segment is the pool")
+        if self.mooncake_worker_segment_bytes < 0 or self.mooncake_local_buffer_bytes < 0:
+            raise ValueError("mooncake_worker_segment_bytes and mooncake_local_buffer_bytes must be >= 0")
+
+    @property
+    def ray_cpus_needed(self) -> int:
+        """Ray CPUs TQ's own actors take: the controller, plus one per SimpleStorage unit."""
+        return 1 + (self.num_storage_units if self.storage == "simple" else 0)
+
+
+def tq_env(cfg: TQDeployConfig) -> dict[str, str]:
+    """TQ environment variables derived from ``cfg`` (all are read when ``transfer_queue`` is imported).
+
+    A SimpleStorage request that gets no answer fails after at most
+    ``MAX_ATTEMPTS * SEND_RECV_TIMEOUT + PROBE_TIMEOUT`` seconds, which we keep below
+    ``op_timeout_s``, so TQ's own, more telling ``StorageUnitTimeout`` normally fires before our
+    outer bound. Thread counts are capped at the core count (TQ warns on every call otherwise).
+    """
+    cores = os.cpu_count() or 1
+    op = float(cfg.op_timeout_s)
+    probe = max(1, min(5, int(op // 6)))
+    attempts = 2
+    send_recv = max(1, int((op - probe) // attempts))
+    env = {
+        "TQ_SIMPLE_STORAGE_SEND_RECV_TIMEOUT": str(send_recv),
+        "TQ_SIMPLE_STORAGE_MAX_ATTEMPTS": str(attempts),
+        "TQ_SIMPLE_STORAGE_PROBE_TIMEOUT": str(probe),
+        "TQ_DATA_UPDATE_RESPONSE_TIMEOUT": str(max(1, int(op // 2))),
+        "TQ_STORAGE_HANDSHAKE_TIMEOUT": str(max(1, int(min(30.0, cfg.init_timeout_s)))),
+        "TQ_NUM_THREADS": str(min(8, cores)),
+        "TQ_CLIENT_ZMQ_IO_THREADS": str(min(8, cores)),
+    }
+    if cfg.storage == "mooncake":
+        from dataplane.adapters._mooncake_procs import client_env_defaults
+
+        env.update(client_env_defaults())
+    env.update({str(k): str(v) for k, v in cfg.tq_env.items()})
+    return env
+
+
+def _apply_env(env: Mapping[str, str]) -> None:
+    """Put ``env`` into ``os.environ`` (values the user already set win) and into loaded TQ modules."""
+    for key, value in env.items():
+        if key in os.environ and os.environ[key] != value:
+            logger.info("keeping %s=%s from the environment (dataplane would set %s)", key, os.environ[key], value)
+        os.environ.setdefault(key, value)
+    # TQ copies these into module constants at import; if it is already imported (by the user or by
+    # an earlier task in this reused Ray worker), the environment alone no longer reaches it.
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "transfer_queue" or name.startswith("transfer_queue.")):
+            continue
+        for key in env:
+            current = getattr(module, key, None)
+            if isinstance(current, (int, float)) and not isinstance(current, bool):
+                wanted = type(current)(float(os.environ[key]))
+                if wanted != current:
+                    setattr(module, key, wanted)
+
+
+# --------------------------------------------------------------------------------------------- Ray
+
+
+def _ensure_ray(cfg: TQDeployConfig, env: Mapping[str, str]) -> tuple[bool, bool]:
+    """Make sure Ray is initialised here. Returns ``(we_called_ray_init, we_started_a_local_ray)``."""
+    import ray
+
+    if ray.is_initialized():
+        return False, False
+    kwargs = dict(cfg.ray_init_kwargs)
+    runtime_env = dict(kwargs.pop("runtime_env", None) or {})
+    runtime_env["env_vars"] = {**env, **dict(runtime_env.get("env_vars") or {})}
+    address = cfg.ray_address or os.environ.get("RAY_ADDRESS") or None
+    if address:
+        ray.init(address=address, runtime_env=runtime_env, **kwargs)
+        return True, False
+    kwargs.setdefault("include_dashboard", False)
+    num_cpus = cfg.ray_num_cpus or cfg.ray_cpus_needed + max(2, os.cpu_count() or 1)
+    # address="local": never join a `ray start` cluster that ray.init() would find on disk.
+    ray.init(address="local", num_cpus=num_cpus, runtime_env=runtime_env, **kwargs)
+    return True, True
+
+
+def _find_controller() -> Any | None:
+    import ray
+
+    try:
+        return ray.get_actor(CONTROLLER_NAME, namespace=TQ_NAMESPACE)
+    except ValueError:
+        return None
+
+
+def _wait_for_config(controller: Any, deadline: float) -> Any:
+    """The shared config once the owner stored it (``tq.init`` would poll this forever)."""
+    import ray
+
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(
+                "TransferQueue controller exists but published no config in time: its owner may still be "
+                "starting, or may have died; raise init_timeout_s or restart the owner")
+        conf = ray.get(controller.get_config.remote(), timeout=max(0.1, left))
+        if conf is not None:
+            return conf
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+
+
+def _run_bounded(fn: Any, timeout_s: float, what: str) -> Any:
+    """Run ``fn()`` on a daemon thread; raise ``TimeoutError`` if it is not done in ``timeout_s``."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            box["error"] = e
+
+    thread = threading.Thread(target=target, name=f"dataplane-{what}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"{what} did not finish within {timeout_s:.0f}s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def _tcp_reachable(address: str, timeout_s: float = 3.0) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+# --------------------------------------------------------------------------------------------- deployment
+
+# One TQ client per process (TQ keeps it in a module global); handles in this process share it.
+_CLIENT_LOCK = threading.Lock()
+_CLIENT_REFS = 0
+
+
+@dataclass(eq=False)
+class TQDeployment:
+    """A process's handle on TransferQueue; ``owner`` says whether it started (and will stop) it.
+
+    Use :meth:`call` / :meth:`acall` for bounded ``kv_*`` calls, :meth:`close` when done (idempotent;
+    also a context manager).
+    """
+
+    cfg: TQDeployConfig
+    owner: bool
+    env: dict[str, str]
+    conf: Any = None  # the effective TQ DictConfig
+    ray_inited: bool = False  # we called ray.init (so close() calls ray.shutdown())
+    ray_started: bool = False  # ... and it started a local Ray
+    master: Any = None  # our MasterHandle, or None
+    master_address: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    _closed: bool = field(default=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    # ------------------------------------------------------------------ bounded calls
+
+    def _client_loop(self) -> asyncio.AbstractEventLoop:
+        import transfer_queue.interface as itf
+
+        client = itf._TQ_CLIENT
+        if self._closed or client is None:
+            raise RuntimeError("TransferQueue client is closed")
+        return client._loop
+
+    def call(self, fn: str, /, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        """Run ``transfer_queue.async_<fn>(*args, **kwargs)`` with a bound; e.g. ``call("kv_batch_get", ...)``.
+
+        The coroutine runs on the TQ client's own loop thread (where the sync ``tq.kv_*`` would run
+        it too, but they wait with no timeout). On timeout the task is cancelled there -- TQ then
+        closes the DEALER socket of the interrupted request, so a late reply cannot be read by the
+        next request -- and ``TimeoutError`` is raised. Safe from any thread, including a thread
+        whose event loop is running (it blocks that thread, like any sync call). A timed-out put
+        may have written part of its rows: the caller must ``kv_clear`` its keys.
+
+        Why not ``asyncio.wait_for(tq.async_kv_*(...))`` on the caller's loop: it also cancels
+        cleanly, but MooncakeStore's get does blocking I/O inside the coroutine, which blocks the
+        caller's loop and delays the timeout until the I/O returns. Running on TQ's loop keeps the
+        caller responsive on both backends.
+        """
+        import concurrent.futures
+
+        import transfer_queue as tq
+
+        loop = self._client_loop()
+        limit = self.cfg.op_timeout_s if timeout is None else timeout
+        future = asyncio.run_coroutine_threadsafe(getattr(tq, f"async_{fn}")(*args, **kwargs), loop)
+        try:
+            return future.result(limit)
+        except concurrent.futures.TimeoutError:
+            if future.done():  # a TimeoutError raised by TQ itself
+                raise
+            future.cancel()
+            raise TimeoutError(
+                f"TransferQueue {fn} did not finish within {limit:g}s (cancelled); the controller or a "
+                f"storage unit may be hung or dead") from None
+
+    async def acall(self, fn: str, /, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        """Async twin of :meth:`call`: awaits TQ's loop without blocking the caller's loop."""
+        import transfer_queue as tq
+
+        loop = self._client_loop()
+        limit = self.cfg.op_timeout_s if timeout is None else timeout
+        future = asyncio.run_coroutine_threadsafe(getattr(tq, f"async_{fn}")(*args, **kwargs), loop)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), limit)
+        except TimeoutError:
+            if future.done() and not future.cancelled():
+                raise
+            future.cancel()
+            raise TimeoutError(
+                f"TransferQueue {fn} did not finish within {limit:g}s (cancelled); the controller or a "
+                f"storage unit may be hung or dead") from None
+
+    def ping(self, timeout: float = 5.0) -> bool:
+        """True if the controller actor answers within ``timeout`` (a Ray call, not ZMQ)."""
+        import ray
+
+        controller = _find_controller()
+        if controller is None:
+            return False
+        try:
+            ray.get(controller.get_config.remote(), timeout=timeout)
+            return True
+        except Exception:  # noqa: BLE001 - any failure means "not healthy"
+            return False
+
+    def runtime_env(self) -> dict[str, Any]:
+        """``runtime_env`` for Ray actors/tasks that will attach, carrying TQ's env vars.
+
+        Only needed when *you* called ``ray.init``; when we did, the job's runtime_env already has it.
+        """
+        return {"env_vars": dict(self.env)}
+
+    # ------------------------------------------------------------------ teardown
+
+    def close(self) -> None:
+        """Owner: ``tq.close()``, close the Mooncake client, stop our master, ``ray.shutdown()`` if we
+        called ``ray.init``. Non-owner: close only this process's client. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        global _CLIENT_REFS
+        with _CLIENT_LOCK:
+            _CLIENT_REFS = max(0, _CLIENT_REFS - 1)
+            last_ref = _CLIENT_REFS == 0
+        try:
+            if self.owner:
+                t0 = time.monotonic()
+                _owner_teardown()
+                self.timings["close_s"] = time.monotonic() - t0
+            elif last_ref:
+                import transfer_queue.interface as itf
+
+                storage_client = _mooncake_store_client(itf._TQ_CLIENT)
+                _close_client_only(itf)
+                _close_quietly(storage_client)
+        finally:
+            if self.master is not None:
+                try:
+                    self.master.stop()
+                except Exception as e:  # noqa: BLE001
+                    logger.warning("stopping mooncake_master pid %s failed: %s", self.master.pid, e)
+            if self.ray_inited:
+                import ray
+
+                ray.shutdown()
+
+    def __enter__(self) -> TQDeployment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _mooncake_store_client(client: Any) -> Any:
+    manager = getattr(client, "storage_manager", None)
+    storage_client = getattr(manager, "storage_client", None)
+    return storage_client if type(storage_client).__name__ == "MooncakeStoreClient" else None
+
+
+def _close_quietly(storage_client: Any) -> None:
+    if storage_client is None:
+        return
+    try:
+        storage_client.close()
+    except Exception as e:  # noqa: BLE001
+        logger.warning("closing the Mooncake store client failed: %s", e)
+
+
+def _owner_teardown() -> None:
+    """``tq.close()`` (storage units, client, controller), then the Mooncake client TQ never closes."""
+    import transfer_queue as tq
+    import transfer_queue.interface as itf
+
+    storage_client = _mooncake_store_client(itf._TQ_CLIENT)
+    try:
+        tq.close()
+    except Exception as e:  # noqa: BLE001 - keep tearing down
+        logger.warning("tq.close() failed: %s", e)
+    _close_quietly(storage_client)
+
+
+def _close_client_only(itf: Any) -> None:
+    """Close this process's TQ client and forget the controller; never ``tq.close()`` (kills it)."""
+    client = itf._TQ_CLIENT
+    itf._TQ_CLIENT = None
+    itf._TQ_CONTROLLER = None
+    if client is not None:
+        try:
+            client.close()
+        except Exception as e:  # noqa: BLE001
+            logger.warning("closing the TransferQueue client failed: %s", e)
+
+
+# --------------------------------------------------------------------------------------------- start / attach
+
+
+def _build_conf(cfg: TQDeployConfig, master_address: str | None) -> dict[str, Any]:
+    if cfg.storage == "simple":
+        backend: dict[str, Any] = {
+            "storage_backend": "SimpleStorage",
+            "SimpleStorage": {
+                "num_data_storage_units": cfg.num_storage_units,
+                "total_storage_size": cfg.storage_capacity_rows,
+            },
+        }
+    else:
+        backend = {
+            "storage_backend": "MooncakeStore",
+            "MooncakeStore": {
+                "auto_init": False,  # True pkills every mooncake_master on the host
+                "metadata_server": "P2PHANDSHAKE",
+                "master_server_address": master_address,
+                "local_hostname": cfg.local_hostname,
+                "protocol": "tcp",
+                "global_segment_size": int(cfg.mooncake_segment_bytes),
+                "local_buffer_size": int(cfg.mooncake_local_buffer_bytes),
+                "device_name": "",
+                "hard_pin": bool(cfg.mooncake_hard_pin),
+            },
+        }
+    conf: dict[str, Any] = {"backend": backend}
+    return _deep_merge(conf, dict(cfg.tq_conf))
+
+
+def _deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _kill_named_actors(cfg: TQDeployConfig) -> None:
+    """Kill TQ actors a timed-out start-up may have left (the controller and our units)."""
+    import ray
+
+    names = [(CONTROLLER_NAME, TQ_NAMESPACE)]
+    if cfg.storage == "simple":
+        names += [(STORAGE_UNIT_NAME.format(i), None) for i in range(cfg.num_storage_units)]
+    for name, namespace in names:
+        try:
+            ray.kill(ray.get_actor(name, namespace=namespace))
+        except Exception:  # noqa: BLE001 - not there: nothing to kill
+            pass
+
+
+def _reset_tq_globals() -> None:
+    import transfer_queue.interface as itf
+
+    _close_client_only(itf)
+    itf._TQ_STORAGE = None
+
+
+def start_or_attach(cfg: TQDeployConfig | None = None) -> TQDeployment:
+    """Attach to the TransferQueue of this Ray cluster, or start one and own it.
+
+    Attach (``owner=False``) when a ``TransferQueueController`` actor exists: the stored config is
+    used and ``cfg``'s storage settings are ignored. Otherwise start Ray if needed (explicit
+    ``num_cpus``), check Ray CPU headroom, start our own ``mooncake_master`` for ``storage="mooncake"``,
+    and run ``tq.init`` under ``cfg.init_timeout_s``; on any failure everything started here is
+    cleaned up again.
+
+    Raises:
+        RuntimeError: not enough free Ray CPUs (the message says how to fix it), or start-up failed.
+        TimeoutError: start-up or attach did not finish within ``init_timeout_s``.
+        ImportError: ``transferqueue`` / ``ray`` (or Mooncake) is not installed.
+
+    Example:
+        >>> dep = start_or_attach(TQDeployConfig(storage="simple", num_storage_units=1))
+        >>> meta = dep.call("kv_batch_put", keys=["a"], partition_id="p", fields=td)  # doctest: +SKIP
+        >>> dep.close()
+    """
+    cfg = cfg or TQDeployConfig()
+    t_start = time.monotonic()
+    deadline = t_start + cfg.init_timeout_s
+    env = tq_env(cfg)
+    _apply_env(env)  # before the first `import transfer_queue` in this process
+    ray_inited, ray_started = _ensure_ray(cfg, env)
+    timings = {"ray_init_s": time.monotonic() - t_start}
+    dep = TQDeployment(cfg=cfg, owner=False, env=env, ray_inited=ray_inited, ray_started=ray_started,
+                       timings=timings)
+    global _CLIENT_REFS
+    try:
+        import transfer_queue as tq
+        import transfer_queue.interface as itf
+
+        _apply_env(env)  # patch constants if TQ was imported before us
+        controller = _find_controller()
+        t0 = time.monotonic()
+        if controller is not None:
+            conf = _wait_for_config(controller, deadline)
+            _check_mooncake_master(conf)
+            if itf._TQ_CLIENT is None:
+                _run_bounded(tq.init, max(0.1, deadline - time.monotonic()), "TransferQueue attach")
+            dep.conf = conf
+            timings["attach_s"] = time.monotonic() - t0
+        else:
+            _start_owned(dep, deadline)
+            timings["init_s"] = time.monotonic() - t0
+        with _CLIENT_LOCK:
+            _CLIENT_REFS += 1
+        return dep
+    except BaseException:
+        if dep.owner:
+            _owner_teardown()
+        if dep.master is not None:
+            dep.master.stop()
+        if ray_inited:
+            import ray
+
+            ray.shutdown()
+        raise
+
+
+def _check_mooncake_master(conf: Any) -> None:
+    if conf.backend.storage_backend != "MooncakeStore":
+        return
+    address = str(conf.backend.MooncakeStore.master_server_address)
+    if not _tcp_reachable(address):
+        raise RuntimeError(
+            f"TransferQueue's mooncake_master {address} is not reachable; its owner has probably "
+            f"exited. Restart the owner process (the one that called start_or_attach first).")
+
+
+def _start_owned(dep: TQDeployment, deadline: float) -> None:
+    import ray
+    import transfer_queue as tq
+    import transfer_queue.interface as itf
+
+    cfg = dep.cfg
+    need = cfg.ray_cpus_needed
+    free = float(ray.available_resources().get("CPU", 0.0))
+    if free < need:
+        total = float(ray.cluster_resources().get("CPU", 0.0))
+        raise RuntimeError(
+            f"TransferQueue needs {need} free Ray CPUs (controller + {need - 1} storage unit(s), "
+            f"num_cpus=1 each) but this Ray cluster has {free:g} free of {total:g}; tq.init would "
+            f"hang forever. Fix: let dataplane start Ray (ray_address=None, no ray.init before) or "
+            f"call ray.init(num_cpus=>= {need} + what your actors use), lower num_storage_units, "
+            f"or free CPUs held by other actors.")
+
+    if cfg.storage == "mooncake":
+        if cfg.mooncake_master_address:
+            dep.master_address = cfg.mooncake_master_address
+            if not _tcp_reachable(dep.master_address):
+                raise RuntimeError(f"mooncake_master_address {dep.master_address} is not reachable")
+        else:
+            from dataplane.adapters._mooncake_procs import start_master
+
+            t0 = time.monotonic()
+            dep.master = start_master(host=cfg.local_hostname)
+            dep.master_address = dep.master.address
+            dep.timings["master_start_s"] = time.monotonic() - t0
+
+    conf = _build_conf(cfg, dep.master_address)
+    try:
+        final = _run_bounded(lambda: tq.init(conf), max(0.1, deadline - time.monotonic()), "tq.init")
+    except BaseException:
+        _kill_named_actors(cfg)
+        _reset_tq_globals()
+        raise
+    if itf._TQ_STORAGE is None:
+        # Another process created the controller between our check and tq.init: we attached.
+        logger.info("another process started TransferQueue first; attached instead")
+        dep.conf = _wait_for_config(_find_controller(), deadline)
+        if dep.master is not None:
+            dep.master.stop()
+            dep.master = None
+        return
+    dep.owner = True
+    dep.conf = final
+    if cfg.storage == "mooncake":
+        # Processes that attach build their client from the stored config: make them lend
+        # `mooncake_worker_segment_bytes`, so data lives in the owner's segment only.
+        shared = copy.deepcopy(final)
+        shared.backend.MooncakeStore.global_segment_size = int(cfg.mooncake_worker_segment_bytes)
+        ray.get(itf._TQ_CONTROLLER.store_config.remote(shared), timeout=max(0.1, deadline - time.monotonic()))

@@ -1,0 +1,157 @@
+"""The client boundary: :class:`DataPlaneClient` and its :class:`Capabilities`.
+
+Method names mirror TransferQueue's KV API (``kv_batch_put``, ``kv_batch_get``, ``kv_clear``,
+``kv_list``) so code written against TransferQueue reads the same. Every I/O method has an
+``async_`` twin; the sync methods never start an event loop, so they work from a plain thread and
+from inside a running loop (a Ray async actor) alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from tensordict import TensorDict, TensorDictBase
+
+from dataplane.codec.jagged import PadValue
+from dataplane.codec.wire import Layout
+from dataplane.meta import KVBatchMeta
+
+__all__ = ["Capabilities", "DataPlaneClient", "FieldsIn", "KeysOrMeta", "PadValues"]
+
+FieldsIn = TensorDictBase | Mapping[str, Any]
+KeysOrMeta = Sequence[str] | KVBatchMeta
+PadValues = PadValue | Mapping[str, PadValue] | None
+Listing = dict[str, dict[str, dict[str, Any]]]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Capabilities:
+    """What a backend can do; callers branch on these, never on the adapter's type.
+
+    Attributes:
+        backend: adapter name ("memory", "transfer_queue", "mooncake", ...).
+        cross_process: rows written by one process can be read by another.
+        cross_node: ... and by a process on another host.
+        zero_copy: reads land in (registered) buffers without an intermediate staging copy.
+        device_tensors: puts accept accelerator tensors without a host copy.
+        max_keys_per_call: the adapter splits larger batches itself; informational.
+    """
+
+    backend: str
+    cross_process: bool
+    cross_node: bool
+    zero_copy: bool = False
+    device_tensors: bool = False
+    max_keys_per_call: int | None = None
+
+
+class DataPlaneClient(ABC):
+    """A client of one data-plane store. Use it as a context manager or call :meth:`close`."""
+
+    @property
+    @abstractmethod
+    def capabilities(self) -> Capabilities: ...
+
+    @abstractmethod
+    def kv_batch_put(
+        self,
+        keys: Sequence[str],
+        fields: FieldsIn,
+        *,
+        partition_id: str,
+        tags: Sequence[Mapping[str, Any]] | None = None,
+    ) -> KVBatchMeta:
+        """Write one row per key. Validated completely before any byte is written.
+
+        Writing a field a key does not have adds a column; writing one it has replaces it.
+        Returns the meta of the written rows (``fields`` = the fields of this put).
+        """
+
+    @abstractmethod
+    def kv_batch_get(
+        self,
+        keys_or_meta: KeysOrMeta,
+        *,
+        select_fields: Sequence[str] | str,
+        partition_id: str | None = None,
+        layout: Layout = "jagged",
+        pad_values: PadValues = None,
+        pad_to_multiple: int = 1,
+        pad_to_length: int | None = None,
+    ) -> TensorDict:
+        """Read exactly these rows, in this order, with exactly these fields -- or raise ``KeyNotFound``."""
+
+    @abstractmethod
+    def kv_clear(self, keys: Sequence[str] | None = None, *, partition_id: str) -> None:
+        """Remove rows (unknown keys are ignored); ``keys=None`` removes the whole partition and its schema."""
+
+    @abstractmethod
+    def kv_list(self, partition_id: str | None = None) -> Listing:
+        """``{partition_id: {key: tags}}`` for one partition or all."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release this client (idempotent). Owners also tear down what they started."""
+
+    # -- async twins: run the sync call on a worker thread, never block the caller's loop ----------
+    async def async_kv_batch_put(
+        self,
+        keys: Sequence[str],
+        fields: FieldsIn,
+        *,
+        partition_id: str,
+        tags: Sequence[Mapping[str, Any]] | None = None,
+    ) -> KVBatchMeta:
+        return await asyncio.to_thread(self.kv_batch_put, keys, fields, partition_id=partition_id, tags=tags)
+
+    async def async_kv_batch_get(
+        self,
+        keys_or_meta: KeysOrMeta,
+        *,
+        select_fields: Sequence[str] | str,
+        partition_id: str | None = None,
+        layout: Layout = "jagged",
+        pad_values: PadValues = None,
+        pad_to_multiple: int = 1,
+        pad_to_length: int | None = None,
+    ) -> TensorDict:
+        return await asyncio.to_thread(
+            self.kv_batch_get,
+            keys_or_meta,
+            select_fields=select_fields,
+            partition_id=partition_id,
+            layout=layout,
+            pad_values=pad_values,
+            pad_to_multiple=pad_to_multiple,
+            pad_to_length=pad_to_length,
+        )
+
+    async def async_kv_clear(self, keys: Sequence[str] | None = None, *, partition_id: str) -> None:
+        await asyncio.to_thread(self.kv_clear, keys, partition_id=partition_id)
+
+    async def async_kv_list(self, partition_id: str | None = None) -> Listing:
+        return await asyncio.to_thread(self.kv_list, partition_id)
+
+    async def async_close(self) -> None:
+        await asyncio.to_thread(self.close)
+
+    def __enter__(self) -> DataPlaneClient:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    async def __aenter__(self) -> DataPlaneClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.async_close()

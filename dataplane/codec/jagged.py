@@ -1,0 +1,152 @@
+"""Jagged wire form: a ragged field is ``values [sum(L), *inner]`` plus ``offsets [B+1]``.
+
+``pack`` builds that form from a padded tensor and lengths (the padded width may exceed the longest
+row, as sequence-parallel padding produces) or from a nested tensor; ``materialize`` turns it back
+into a padded tensor, or ``to_nested`` into a jagged nested tensor, without copying when it can.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from dataplane.errors import InvalidArgument, SchemaError
+
+__all__ = [
+    "lengths_of",
+    "materialize",
+    "offsets_from_lengths",
+    "pack",
+    "pack_nested",
+    "padded_width",
+    "round_up",
+    "to_nested",
+]
+
+PadValue = bool | int | float
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple if multiple > 1 else n
+
+
+def offsets_from_lengths(lengths: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """``[3, 0, 2]`` -> ``tensor([0, 3, 3, 5])`` (int64)."""
+    lens = torch.as_tensor(lengths, dtype=torch.int64)
+    if lens.dim() != 1:
+        raise InvalidArgument(f"lengths must be 1-D, got shape {tuple(lens.shape)}")
+    if lens.numel() and int(lens.min()) < 0:
+        raise InvalidArgument("lengths must be >= 0")
+    offsets = torch.zeros(lens.numel() + 1, dtype=torch.int64)
+    torch.cumsum(lens, 0, out=offsets[1:])
+    return offsets
+
+
+def lengths_of(offsets: torch.Tensor) -> torch.Tensor:
+    return offsets[1:] - offsets[:-1]
+
+
+def pack(padded: torch.Tensor, lengths: torch.Tensor | Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded ``[B, W, *inner]`` plus valid lengths -> ``(values, offsets)``.
+
+    >>> v, o = pack(torch.tensor([[1, 2, 0], [3, 0, 0]]), [2, 1])
+    >>> v.tolist(), o.tolist()
+    ([1, 2, 3], [0, 2, 3])
+    """
+    if padded.dim() < 2:
+        raise SchemaError(f"pack needs a padded tensor [B, W, ...], got shape {tuple(padded.shape)}")
+    lens = torch.as_tensor(lengths, dtype=torch.int64).reshape(-1)
+    b, w = padded.shape[0], padded.shape[1]
+    if lens.numel() != b:
+        raise InvalidArgument(f"{lens.numel()} lengths for a batch of {b} rows")
+    if b and (int(lens.max()) > w or int(lens.min()) < 0):
+        raise InvalidArgument(f"lengths must lie in [0, {w}] (the padded width), got {lens.min()}..{lens.max()}")
+    offsets = offsets_from_lengths(lens)
+    if b and bool((lens == w).all()):
+        return padded.reshape(b * w, *padded.shape[2:]), offsets
+    mask = torch.arange(w).unsqueeze(0) < lens.unsqueeze(1)
+    return padded[mask], offsets
+
+
+def pack_nested(nt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A nested tensor (jagged or strided layout, ragged in its first row dim) -> ``(values, offsets)``."""
+    if not nt.is_nested:
+        raise SchemaError("pack_nested needs a nested tensor")
+    if nt.layout == torch.jagged:
+        if nt._ragged_idx != 1:  # type: ignore[attr-defined]
+            raise SchemaError("jagged nested tensors must be ragged in dim 1 (rows of [L_i, *inner])")
+        offsets = nt.offsets().to(torch.int64)
+        values = nt.values()
+        holes = nt.lengths() if hasattr(nt, "lengths") else None
+        if holes is not None:  # non-contiguous jagged (with holes): gather rows
+            rows = [values[int(offsets[i]) : int(offsets[i]) + int(holes[i])] for i in range(holes.numel())]
+            values = torch.cat(rows) if rows else values[:0]
+            offsets = offsets_from_lengths(holes)
+        elif int(offsets[0]) != 0 or int(offsets[-1]) != values.shape[0]:
+            values = values[int(offsets[0]) : int(offsets[-1])]
+            offsets = offsets - offsets[0]
+        return values, offsets
+    rows = list(nt.unbind())
+    if rows and any(r.dim() == 0 for r in rows):
+        raise SchemaError("nested rows must have at least one dimension")
+    inner = {tuple(r.shape[1:]) for r in rows}
+    if len(inner) > 1:
+        raise SchemaError(f"nested rows may differ only in their first dim, got trailing shapes {sorted(inner)}")
+    offsets = offsets_from_lengths([r.shape[0] for r in rows])
+    return (torch.cat(rows) if rows else torch.empty(0)), offsets
+
+
+def to_nested(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``(values, offsets)`` -> a jagged-layout nested tensor that views ``values`` (no copy)."""
+    return torch.nested.nested_tensor_from_jagged(values, offsets)
+
+
+def padded_width(max_length: int, pad_to_multiple: int = 1, pad_to_length: int | None = None) -> int:
+    """Width of the padded batch: longest row rounded up to ``pad_to_multiple``, or ``pad_to_length``."""
+    if pad_to_multiple < 1:
+        raise InvalidArgument(f"pad_to_multiple must be >= 1, got {pad_to_multiple}")
+    width = round_up(max_length, pad_to_multiple)
+    if pad_to_length is not None:
+        if pad_to_length < max_length:
+            raise InvalidArgument(
+                f"pad_to_length={pad_to_length} is shorter than the longest row ({max_length}); "
+                "raise it (the preshard step stamps a global one) or leave it None"
+            )
+        width = round_up(pad_to_length, pad_to_multiple)
+    return width
+
+
+def materialize(
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    pad_value: PadValue = 0,
+    pad_to_multiple: int = 1,
+    pad_to_length: int | None = None,
+) -> torch.Tensor:
+    """``(values, offsets)`` -> padded ``[B, W, *inner]``; a view of ``values`` when no padding is needed.
+
+    >>> materialize(torch.tensor([1, 2, 3]), torch.tensor([0, 2, 3]), pad_value=-1).tolist()
+    [[1, 2], [3, -1]]
+    """
+    b = offsets.numel() - 1
+    lens = lengths_of(offsets)
+    max_len = int(lens.max()) if b else 0
+    width = padded_width(max_len, pad_to_multiple, pad_to_length)
+    inner = tuple(values.shape[1:])
+    if b and width == max_len and bool((lens == width).all()) and values.is_contiguous():
+        return values.view(b, width, *inner)
+    out = torch.full((b, width, *inner), pad_value, dtype=values.dtype, device=values.device)
+    if b == 0 or values.shape[0] == 0:
+        return out
+    if b <= 64:  # few rows: slice copies beat building an index
+        cuts = offsets.tolist()
+        for i in range(b):
+            n = cuts[i + 1] - cuts[i]
+            if n:
+                out[i, :n] = values[cuts[i] : cuts[i + 1]]
+        return out
+    mask = torch.arange(width, device=values.device).unsqueeze(0) < lens.to(values.device).unsqueeze(1)
+    out[mask] = values
+    return out

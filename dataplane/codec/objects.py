@@ -1,0 +1,66 @@
+"""Object columns: one Python object per row, encoded to bytes.
+
+msgpack is the only codec used unless the caller names a field in ``pickle_fields``: unpickling
+bytes read from a shared store runs whatever code the writer put there.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+
+from dataplane.codec.jagged import offsets_from_lengths
+from dataplane.errors import SchemaError
+from dataplane.schema import ObjectCodecName
+
+__all__ = ["decode_objects", "encode_objects"]
+
+
+def _encode_one(obj: Any, codec: ObjectCodecName) -> bytes:
+    if codec == "pickle":
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    out = msgpack.packb(obj, use_bin_type=True)
+    assert isinstance(out, bytes)
+    return out
+
+
+def encode_objects(field: str, rows: Sequence[Any], codec: ObjectCodecName) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode each row; return ``(uint8 values, int64 offsets)`` in the jagged wire form."""
+    blobs: list[bytes] = []
+    for i, obj in enumerate(rows):
+        try:
+            blobs.append(_encode_one(obj, codec))
+        except (TypeError, ValueError, OverflowError, pickle.PicklingError) as e:
+            raise SchemaError(
+                f"object field {field!r}, row {i}: {type(obj).__name__} cannot be encoded with {codec} ({e}); "
+                "use str/int/float/bool/None/bytes and lists/dicts of them, or name the field in "
+                "pickle_fields=... to opt in to pickle"
+            ) from e
+    buf = b"".join(blobs)
+    values = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+    return values, offsets_from_lengths([len(b) for b in blobs])
+
+
+def decode_objects(
+    field: str, values: torch.Tensor, offsets: torch.Tensor, codec: ObjectCodecName, *, allow_pickle: bool
+) -> list[Any]:
+    if codec == "pickle" and not allow_pickle:
+        raise SchemaError(
+            f"field {field!r} was stored with pickle; reading it runs code from the store. "
+            f"Pass pickle_fields=[{field!r}] to connect() if you trust every writer"
+        )
+    raw = np.ascontiguousarray(values.numpy()).tobytes()
+    cuts = offsets.tolist()
+    out: list[Any] = []
+    for i in range(len(cuts) - 1):
+        chunk = raw[cuts[i] : cuts[i + 1]]
+        if codec == "pickle":
+            out.append(pickle.loads(chunk))  # noqa: S301 - explicit opt-in above
+        else:
+            out.append(msgpack.unpackb(chunk, raw=False, strict_map_key=False))
+    return out

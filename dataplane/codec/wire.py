@@ -1,0 +1,188 @@
+"""Fields in and out of the wire form: one :class:`Column` per field.
+
+``encode_fields`` turns what a caller puts (a TensorDict, or a dict of tensors, nested tensors,
+lists of row tensors and object columns) into columns, validating everything before any byte is
+written. ``decode_columns`` turns columns read from a store into the TensorDict a caller gets.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
+
+from dataplane.codec.jagged import PadValue, lengths_of, materialize, pack_nested, to_nested
+from dataplane.codec.objects import decode_objects, encode_objects
+from dataplane.errors import InvalidArgument, SchemaError
+from dataplane.schema import FieldSchema, dtype_name
+
+__all__ = ["Column", "Layout", "decode_columns", "encode_fields", "validate_field_name"]
+
+Layout = Literal["jagged", "padded"]
+_FIELD_RE = re.compile(r"^[A-Za-z0-9_.:@+=/-]{1,200}$")
+
+
+def validate_field_name(name: object) -> str:
+    if not isinstance(name, str) or not _FIELD_RE.match(name):
+        raise SchemaError(
+            f"field name {name!r} is not allowed: use 1-200 characters from A-Z a-z 0-9 and _ . : @ + = / -"
+        )
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    """One field of a batch in wire form.
+
+    Dense: ``values`` is ``[B, *inner]`` and ``offsets`` is None. Jagged and object: ``values`` is
+    ``[sum(L), *inner]`` (uint8 bytes for objects) and ``offsets`` is int64 ``[B+1]``.
+    """
+
+    schema: FieldSchema
+    values: torch.Tensor
+    offsets: torch.Tensor | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return self.values.shape[0] if self.offsets is None else self.offsets.numel() - 1
+
+    @property
+    def nbytes(self) -> int:
+        n = self.values.numel() * self.values.element_size()
+        return n + (0 if self.offsets is None else self.offsets.numel() * 8)
+
+    def lengths(self) -> torch.Tensor | None:
+        return None if self.offsets is None else lengths_of(self.offsets)
+
+    def rows(self) -> list[torch.Tensor]:
+        """Per-row views of ``values`` (no copy)."""
+        if self.offsets is None:
+            return list(self.values.unbind(0))
+        cuts = self.offsets.tolist()
+        return [self.values[cuts[i] : cuts[i + 1]] for i in range(len(cuts) - 1)]
+
+
+def _as_tensor_leaf(field: str, value: torch.Tensor) -> torch.Tensor:
+    if value.requires_grad:
+        value = value.detach()
+    if value.device.type != "cpu":
+        value = value.cpu()
+    dtype_name(value.dtype)  # raises SchemaError for unsupported dtypes
+    return value
+
+
+def _column_from(field: str, value: Any, num_rows: int, pickle_fields: Collection[str]) -> Column:
+    codec: Literal["msgpack", "pickle"] = "pickle" if field in pickle_fields else "msgpack"
+    if isinstance(value, NonTensorStack):
+        value = value.tolist()
+    elif isinstance(value, NonTensorData):
+        raise SchemaError(
+            f"field {field!r} holds one value for the whole batch; per-row fields only -- "
+            "put batch-level values in meta.extra_info"
+        )
+    elif isinstance(value, TensorDictBase):
+        raise SchemaError(f"field {field!r} is a nested TensorDict; flatten it first (td.flatten_keys('.'))")
+    if isinstance(value, np.ndarray):
+        value = value.tolist() if value.dtype == object else torch.from_numpy(np.ascontiguousarray(value))
+    if isinstance(value, torch.Tensor):
+        t = _as_tensor_leaf(field, value)
+        if t.is_nested:
+            values, offsets = pack_nested(t)
+            schema = FieldSchema(kind="jagged", dtype=values.dtype, inner_shape=tuple(values.shape[1:]))
+            col = Column(schema, values, offsets)
+        else:
+            if t.dim() == 0:
+                raise SchemaError(f"field {field!r} is a 0-d tensor; per-row fields need a leading batch dim")
+            schema = FieldSchema(kind="dense", dtype=t.dtype, inner_shape=tuple(t.shape[1:]))
+            col = Column(schema, t)
+    elif isinstance(value, (list, tuple)):
+        if value and all(isinstance(v, torch.Tensor) for v in value):
+            col = _column_from(field, torch.nested.as_nested_tensor(list(value), layout=torch.jagged), num_rows, ())
+        else:
+            values, offsets = encode_objects(field, value, codec)
+            col = Column(FieldSchema(kind="object", dtype=torch.uint8, codec=codec), values, offsets)
+    else:
+        raise SchemaError(
+            f"field {field!r} has unsupported type {type(value).__name__}; use a tensor, a nested tensor, "
+            "a list of row tensors, or a list / numpy object array of Python objects"
+        )
+    if col.num_rows != num_rows:
+        raise InvalidArgument(f"field {field!r} has {col.num_rows} rows but {num_rows} keys were given")
+    return col
+
+
+def encode_fields(
+    fields: TensorDictBase | Mapping[str, Any],
+    num_rows: int,
+    *,
+    pickle_fields: Collection[str] = (),
+) -> dict[str, Column]:
+    """Validate and convert every field; raises before anything is written."""
+    if isinstance(fields, TensorDictBase):
+        if fields.batch_dims < 1 or fields.batch_size[0] != num_rows:
+            raise InvalidArgument(
+                f"TensorDict batch_size {list(fields.batch_size)} does not match {num_rows} keys; "
+                "its first batch dim must equal len(keys)"
+            )
+        items: Sequence[tuple[Any, Any]] = [(k, fields.get(k)) for k in fields.keys()]
+    elif isinstance(fields, Mapping):
+        items = list(fields.items())
+    else:
+        raise SchemaError(f"fields must be a TensorDict or a dict, got {type(fields).__name__}")
+    if not items:
+        raise InvalidArgument("fields is empty; give at least one field to write")
+    return {validate_field_name(k): _column_from(k, v, num_rows, pickle_fields) for k, v in items}
+
+
+def _pad_value_for(field: str, pad_values: PadValue | Mapping[str, PadValue] | None) -> PadValue:
+    if pad_values is None:
+        return 0
+    if isinstance(pad_values, Mapping):
+        return pad_values.get(field, 0)
+    return pad_values
+
+
+def decode_columns(
+    columns: Mapping[str, Column],
+    num_rows: int,
+    *,
+    layout: Layout = "jagged",
+    pad_values: PadValue | Mapping[str, PadValue] | None = None,
+    pad_to_multiple: int = 1,
+    pad_to_length: int | None = None,
+    pickle_fields: Collection[str] = (),
+) -> TensorDict:
+    """Columns -> TensorDict with batch size ``[num_rows]``.
+
+    Jagged fields come back as jagged nested tensors (``layout="jagged"``) or right-padded with their
+    pad value (``layout="padded"``); object fields as a NonTensorStack of the decoded objects.
+    """
+    if layout not in ("jagged", "padded"):
+        raise InvalidArgument(f"layout must be 'jagged' or 'padded', got {layout!r}")
+    out: dict[str, Any] = {}
+    for field, col in columns.items():
+        kind = col.schema.kind
+        if kind == "dense":
+            out[field] = col.values
+            continue
+        assert col.offsets is not None
+        if kind == "object":
+            assert col.schema.codec is not None
+            objs = decode_objects(field, col.values, col.offsets, col.schema.codec, allow_pickle=field in pickle_fields)
+            out[field] = NonTensorStack(*(NonTensorData(o) for o in objs), batch_size=[num_rows])
+        elif layout == "padded":
+            out[field] = materialize(
+                col.values,
+                col.offsets,
+                pad_value=_pad_value_for(field, pad_values),
+                pad_to_multiple=pad_to_multiple,
+                pad_to_length=pad_to_length,
+            )
+        else:
+            out[field] = to_nested(col.values, col.offsets)
+    return TensorDict(out, batch_size=[num_rows])

@@ -1,0 +1,224 @@
+"""KVBatchMeta: the small handle to a batch of rows in the store.
+
+The driver passes metas around instead of tensors. Every transform is pure (no I/O) and returns a
+new meta whose keys, sequence lengths and tags stay aligned row by row.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import msgpack
+
+from dataplane.errors import InvalidArgument, SchemaError
+
+__all__ = ["KVBatchMeta"]
+
+
+def _rows(name: str, value: Iterable[Any] | None, n: int) -> tuple[Any, ...] | None:
+    if value is None:
+        return None
+    out = tuple(value)
+    if len(out) != n:
+        raise InvalidArgument(f"{name} has {len(out)} entries but there are {n} keys; give one per key")
+    return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVBatchMeta:
+    """Keys of a batch of rows in one partition, plus what the driver knows about them.
+
+    Args:
+        partition_id: address space of the keys ("train", "val", ...).
+        keys: one id per row, minted once and reused for every read and write of that row.
+        fields: fields known to be present on every row.
+        sequence_lengths: valid (unpadded) token count per row, used for balancing.
+        tags: per-row dict of primitives (reward, weight version, ...), for filtering without I/O.
+        extra_info: batch-level values (pad length, microbatch plan, ...).
+        task_name: optional label.
+
+    >>> m = KVBatchMeta(partition_id="train", keys=["a", "b"], fields=["ids"], sequence_lengths=[3, 5])
+    >>> m.subset([1]).keys
+    ('b',)
+    """
+
+    partition_id: str
+    keys: tuple[str, ...]
+    fields: tuple[str, ...] = ()
+    sequence_lengths: tuple[int, ...] | None = None
+    tags: tuple[dict[str, Any], ...] | None = None
+    extra_info: dict[str, Any] = field(default_factory=dict)
+    task_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.partition_id, str) or not self.partition_id:
+            raise InvalidArgument(f"partition_id must be a non-empty str, got {self.partition_id!r}")
+        if isinstance(self.keys, str):
+            raise SchemaError("keys must be a sequence of str, not a single str")
+        keys = tuple(self.keys)
+        bad = [k for k in keys if not isinstance(k, str)]
+        if bad:
+            raise SchemaError(f"keys must be str, got {type(bad[0]).__name__} ({bad[0]!r})")
+        if len(set(keys)) != len(keys):
+            seen: set[str] = set()
+            dups = sorted({k for k in keys if k in seen or seen.add(k)})  # type: ignore[func-returns-value]
+            raise InvalidArgument(f"keys must be unique; duplicated: {dups[:8]}")
+        fields = tuple(self.fields)
+        if len(set(fields)) != len(fields):
+            raise InvalidArgument(f"fields must be unique, got {list(fields)}")
+        n = len(keys)
+        lengths = _rows("sequence_lengths", self.sequence_lengths, n)
+        if lengths is not None:
+            lengths = tuple(int(x) for x in lengths)
+            if any(x < 0 for x in lengths):
+                raise InvalidArgument("sequence_lengths must be >= 0")
+        tags = _rows("tags", self.tags, n)
+        if tags is not None:
+            if not all(isinstance(t, Mapping) for t in tags):
+                raise SchemaError("tags must be one dict per key")
+            tags = tuple(dict(t) for t in tags)
+        object.__setattr__(self, "keys", keys)
+        object.__setattr__(self, "fields", fields)
+        object.__setattr__(self, "sequence_lengths", lengths)
+        object.__setattr__(self, "tags", tags)
+        object.__setattr__(self, "extra_info", dict(self.extra_info))
+
+    # -- size -----------------------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        return len(self.keys)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def total_tokens(self) -> int | None:
+        return None if self.sequence_lengths is None else sum(self.sequence_lengths)
+
+    # -- pure transforms --------------------------------------------------------------------------
+    def _take(self, idx: Sequence[int]) -> KVBatchMeta:
+        n = len(self.keys)
+        for i in idx:
+            if not -n <= i < n:
+                raise InvalidArgument(f"row index {i} out of range for a batch of {n}")
+        lens, tags = self.sequence_lengths, self.tags
+        return replace(
+            self,
+            keys=tuple(self.keys[i] for i in idx),
+            sequence_lengths=None if lens is None else tuple(lens[i] for i in idx),
+            tags=None if tags is None else tuple(copy.deepcopy(tags[i]) for i in idx),
+            extra_info=copy.deepcopy(self.extra_info),
+        )
+
+    def subset(self, indices: Sequence[int]) -> KVBatchMeta:
+        """Rows at ``indices``, in that order (a key may not repeat)."""
+        return self._take([int(i) for i in indices])
+
+    def reorder(self, indices: Sequence[int]) -> KVBatchMeta:
+        """A permutation of all rows: row ``j`` of the result is row ``indices[j]`` of this meta."""
+        idx = [int(i) for i in indices]
+        if sorted(idx) != list(range(len(self.keys))):
+            raise InvalidArgument(f"reorder needs a permutation of range({len(self.keys)})")
+        return self._take(idx)
+
+    def slice(self, start: int, stop: int | None = None) -> KVBatchMeta:
+        return self._take(list(range(len(self.keys)))[start:stop])
+
+    def drop(self, keys: Iterable[str]) -> KVBatchMeta:
+        """All rows except those whose key is in ``keys`` (unknown keys raise)."""
+        gone = set(keys)
+        unknown = gone.difference(self.keys)
+        if unknown:
+            raise InvalidArgument(f"cannot drop keys not in this meta: {sorted(unknown)[:8]}")
+        return self._take([i for i, k in enumerate(self.keys) if k not in gone])
+
+    def with_fields(self, fields: Iterable[str], *, replace_all: bool = False) -> KVBatchMeta:
+        """Add ``fields`` to the known fields (or replace them with ``replace_all=True``)."""
+        new = tuple(fields)
+        merged = new if replace_all else self.fields + tuple(f for f in new if f not in self.fields)
+        return replace(self, fields=tuple(dict.fromkeys(merged)))
+
+    def stamp_tags(self, tags: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> KVBatchMeta:
+        """Merge one dict into every row's tags, or one dict per row."""
+        per_row = [dict(tags)] * len(self.keys) if isinstance(tags, Mapping) else list(tags)
+        if len(per_row) != len(self.keys):
+            raise InvalidArgument(f"{len(per_row)} tag dicts for {len(self.keys)} keys")
+        old = self.tags or tuple({} for _ in self.keys)
+        return replace(self, tags=tuple({**o, **dict(t)} for o, t in zip(old, per_row, strict=True)))
+
+    def with_extra_info(self, **values: Any) -> KVBatchMeta:
+        return replace(self, extra_info={**self.extra_info, **values})
+
+    def chunk(self, n: int) -> list[KVBatchMeta]:
+        """Split into ``n`` consecutive chunks whose sizes differ by at most one (some may be empty)."""
+        if n < 1:
+            raise InvalidArgument(f"chunk count must be >= 1, got {n}")
+        size, rest = divmod(len(self.keys), n)
+        out, start = [], 0
+        for i in range(n):
+            stop = start + size + (1 if i < rest else 0)
+            out.append(self.slice(start, stop))
+            start = stop
+        return out
+
+    def concat(self, *others: KVBatchMeta) -> KVBatchMeta:
+        """Rows of this meta followed by the rows of ``others`` (same partition; fields intersect)."""
+        metas = (self, *others)
+        if len({m.partition_id for m in metas}) != 1:
+            raise InvalidArgument("concat needs metas of one partition_id")
+        fields = [f for f in self.fields if all(f in m.fields for m in others)]
+        lens = None
+        if all(m.sequence_lengths is not None for m in metas):
+            lens = tuple(x for m in metas for x in (m.sequence_lengths or ()))
+        tags = None
+        if any(m.tags is not None for m in metas):
+            tags = tuple(t for m in metas for t in (m.tags or tuple({} for _ in m.keys)))
+        return replace(
+            self,
+            keys=tuple(k for m in metas for k in m.keys),
+            fields=tuple(fields),
+            sequence_lengths=lens,
+            tags=tags,
+            extra_info=copy.deepcopy(self.extra_info),
+        )
+
+    def select_tags(self, predicate: Any) -> KVBatchMeta:
+        """Rows whose tags satisfy ``predicate(tags_dict) -> bool``."""
+        tags = self.tags or tuple({} for _ in self.keys)
+        return self._take([i for i, t in enumerate(tags) if predicate(t)])
+
+    # -- serialisation --------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "partition_id": self.partition_id,
+            "keys": list(self.keys),
+            "fields": list(self.fields),
+            "sequence_lengths": None if self.sequence_lengths is None else list(self.sequence_lengths),
+            "tags": None if self.tags is None else [dict(t) for t in self.tags],
+            "extra_info": dict(self.extra_info),
+            "task_name": self.task_name,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> KVBatchMeta:
+        return cls(
+            partition_id=d["partition_id"],
+            keys=d["keys"],
+            fields=d.get("fields") or (),
+            sequence_lengths=d.get("sequence_lengths"),
+            tags=d.get("tags"),
+            extra_info=d.get("extra_info") or {},
+            task_name=d.get("task_name"),
+        )
+
+    def to_msgpack(self) -> bytes:
+        out = msgpack.packb(self.to_dict(), use_bin_type=True)
+        assert isinstance(out, bytes)
+        return out
+
+    @classmethod
+    def from_msgpack(cls, data: bytes) -> KVBatchMeta:
+        return cls.from_dict(msgpack.unpackb(data, raw=False, strict_map_key=False))

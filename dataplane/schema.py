@@ -1,0 +1,154 @@
+"""Field schemas: what the first write of a (partition, field) fixes for every later write."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from dataplane.errors import SchemaError
+
+__all__ = ["FieldKind", "FieldSchema", "SchemaRegistry", "dtype_from_name", "dtype_name"]
+
+FieldKind = Literal["dense", "jagged", "object"]
+ObjectCodecName = Literal["msgpack", "pickle"]
+
+_DTYPES: dict[str, torch.dtype] = {
+    name: d
+    for name in (
+        "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+        "float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128",
+        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+    )
+    if isinstance(d := getattr(torch, name, None), torch.dtype)
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``; raises SchemaError for dtypes we cannot store."""
+    name = str(dtype).removeprefix("torch.")
+    if _DTYPES.get(name) is not dtype:
+        raise SchemaError(f"dtype {dtype} is not supported; convert the tensor to one of {sorted(_DTYPES)}")
+    return name
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise SchemaError(f"unknown dtype name {name!r} in stored schema") from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FieldSchema:
+    """Kind, element dtype and trailing shape of one field.
+
+    ``dense``: each row is a tensor of shape ``inner_shape`` (``()`` for per-row scalars).
+    ``jagged``: each row is ``[L_i, *inner_shape]`` with its own length ``L_i``.
+    ``object``: each row is one encoded Python object (stored as bytes; ``codec`` names the encoding).
+    """
+
+    kind: FieldKind
+    dtype: torch.dtype
+    inner_shape: tuple[int, ...] = ()
+    codec: ObjectCodecName | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("dense", "jagged", "object"):
+            raise SchemaError(f"unknown field kind {self.kind!r}")
+        if self.kind == "object" and (self.dtype is not torch.uint8 or self.inner_shape or self.codec is None):
+            raise SchemaError("object fields are uint8 bytes with no inner shape and a codec")
+        object.__setattr__(self, "inner_shape", tuple(int(d) for d in self.inner_shape))
+
+    @property
+    def row_numel(self) -> int:
+        """Elements per row (dense) or per token (jagged)."""
+        n = 1
+        for d in self.inner_shape:
+            n *= d
+        return n
+
+    def describe(self) -> str:
+        if self.kind == "object":
+            return f"object[{self.codec}]"
+        inner = ", ".join(str(d) for d in self.inner_shape)
+        lead = "B, L" if self.kind == "jagged" else "B"
+        return f"{self.kind} {dtype_name(self.dtype)}[{lead}{', ' if inner else ''}{inner}]"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "dtype": dtype_name(self.dtype),
+            "inner_shape": list(self.inner_shape),
+            "codec": self.codec,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> FieldSchema:
+        return cls(
+            kind=d["kind"],
+            dtype=dtype_from_name(d["dtype"]),
+            inner_shape=tuple(d["inner_shape"]),
+            codec=d.get("codec"),
+        )
+
+
+def check_compatible(partition_id: str, field: str, existing: FieldSchema, incoming: FieldSchema) -> None:
+    """Raise SchemaError unless ``incoming`` may be written where ``existing`` is recorded."""
+    if existing != incoming:
+        raise SchemaError(
+            f"field {field!r} in partition {partition_id!r} is {existing.describe()} (fixed by its first write), "
+            f"got {incoming.describe()}; cast the value to match, write it under a new field name, "
+            f"or use a fresh partition (kv_clear(partition_id=...) forgets the schema)"
+        )
+
+
+class SchemaRegistry:
+    """Thread-safe per-(partition, field) schemas for stores that keep them in process.
+
+    Adapters whose schema lives in the backend use :func:`check_compatible` directly.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._schemas: dict[str, dict[str, FieldSchema]] = {}
+
+    def check(self, partition_id: str, incoming: Mapping[str, FieldSchema]) -> list[str]:
+        """Validate ``incoming`` against what is recorded; return the fields that are new."""
+        with self._lock:
+            known = self._schemas.get(partition_id, {})
+            new = []
+            for field, schema in incoming.items():
+                if field in known:
+                    check_compatible(partition_id, field, known[field], schema)
+                else:
+                    new.append(field)
+            return new
+
+    def record(self, partition_id: str, incoming: Mapping[str, FieldSchema]) -> None:
+        """Check and record in one step (first write wins)."""
+        with self._lock:
+            known = self._schemas.setdefault(partition_id, {})
+            for field, schema in incoming.items():
+                if field in known:
+                    check_compatible(partition_id, field, known[field], schema)
+            for field, schema in incoming.items():
+                known.setdefault(field, schema)
+
+    def get(self, partition_id: str) -> dict[str, FieldSchema]:
+        with self._lock:
+            return dict(self._schemas.get(partition_id, {}))
+
+    def forget(self, partition_id: str, fields: Iterable[str] | None = None) -> None:
+        with self._lock:
+            if fields is None:
+                self._schemas.pop(partition_id, None)
+                return
+            known = self._schemas.get(partition_id, {})
+            for f in fields:
+                known.pop(f, None)
+            if not known:
+                self._schemas.pop(partition_id, None)

@@ -1,0 +1,315 @@
+"""The storage interface adapters implement, and the client that puts the shared semantics on top.
+
+An adapter implements :class:`KVStore`: put / get / clear / list of columns in wire form, plus
+close. :class:`StoreClient` does everything every backend must agree on exactly once: argument
+validation, encoding and decoding, ordering and completeness checks of what a store returns, and
+the closed state. Adapters enforce the per-(partition, field) schema atomically in ``put`` with
+:class:`dataplane.schema.SchemaRegistry` or :func:`dataplane.schema.check_compatible`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+from tensordict import TensorDict
+
+from dataplane.client import Capabilities, DataPlaneClient, FieldsIn, KeysOrMeta, Listing, PadValues
+from dataplane.codec.wire import Column, Layout, decode_columns, encode_fields, validate_field_name
+from dataplane.errors import ClientClosed, DataPlaneError, InvalidArgument, SchemaError
+from dataplane.meta import KVBatchMeta
+
+__all__ = ["KVStore", "StoreClient"]
+
+log = logging.getLogger(__name__)
+
+MAX_KEY_LEN = 512
+
+
+class KVStore(ABC):
+    """What an adapter implements. All arguments arrive validated by :class:`StoreClient`.
+
+    Contract:
+        * ``put`` is all-or-nothing: it checks every column against the partition's recorded schema
+          (raising ``SchemaError``), checks capacity (``CapacityExceeded``), and on any failure
+          after it started writing removes what it wrote before raising. Tags merge into existing
+          tags (``dict.update``). It may return a dict merged into the returned meta's extra_info.
+        * ``get`` returns one column per requested field with exactly ``len(keys)`` rows in key
+          order, or raises ``KeyNotFound`` (built with :func:`dataplane.errors.missing_rows_error`).
+          The returned tensors belong to the caller.
+        * ``clear`` ignores unknown keys; ``keys=None`` drops the partition and its schema, and so
+          does removing its last row.
+        * Every blocking call honours ``timeout_s`` (``DataPlaneTimeout``).
+    """
+
+    @property
+    @abstractmethod
+    def capabilities(self) -> Capabilities: ...
+
+    @abstractmethod
+    def put(
+        self,
+        partition_id: str,
+        keys: Sequence[str],
+        columns: Mapping[str, Column],
+        tags: Sequence[Mapping[str, Any]] | None,
+        *,
+        timeout_s: float,
+    ) -> dict[str, Any] | None: ...
+
+    @abstractmethod
+    def get(
+        self,
+        partition_id: str,
+        keys: Sequence[str],
+        fields: Sequence[str],
+        *,
+        meta: KVBatchMeta | None,
+        timeout_s: float,
+    ) -> Mapping[str, Column]: ...
+
+    @abstractmethod
+    def clear(self, partition_id: str, keys: Sequence[str] | None, *, timeout_s: float) -> None: ...
+
+    @abstractmethod
+    def list(self, partition_id: str | None, *, timeout_s: float) -> Listing: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def validate_keys(self, keys: Sequence[str]) -> None:  # noqa: B027 - optional hook
+        """Adapter-specific key rules (raise ``InvalidArgument``); the core checks the common ones."""
+
+
+def _check_partition(partition_id: object) -> str:
+    if not isinstance(partition_id, str) or not partition_id or len(partition_id) > 200:
+        raise InvalidArgument(f"partition_id must be a non-empty str of at most 200 characters, got {partition_id!r}")
+    if not partition_id.isprintable():
+        raise InvalidArgument(f"partition_id {partition_id!r} contains control characters")
+    return partition_id
+
+
+def _check_keys(keys: object, *, what: str = "keys") -> list[str]:
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
+        raise SchemaError(f"{what} must be a list of str, got {type(keys).__name__}")
+    out = list(keys)
+    if not out:
+        raise InvalidArgument(f"{what} is empty; give at least one key")
+    for k in out:
+        if not isinstance(k, str):
+            raise SchemaError(f"every key must be a str, got {type(k).__name__} ({k!r}); mint keys like f'{{uid}}_g{{i}}'")
+        if not k or len(k) > MAX_KEY_LEN or not k.isprintable():
+            raise InvalidArgument(f"key {k[:40]!r} must be 1-{MAX_KEY_LEN} printable characters")
+    if len(set(out)) != len(out):
+        seen: set[str] = set()
+        dups = [k for k in out if k in seen or seen.add(k)]  # type: ignore[func-returns-value]
+        raise InvalidArgument(f"{what} must be unique; duplicated: {dups[:8]}")
+    return out
+
+
+def _check_tags(tags: object, n: int) -> list[dict[str, Any]] | None:
+    if tags is None:
+        return None
+    if isinstance(tags, Mapping) or not isinstance(tags, Sequence):
+        raise SchemaError("tags must be a list with one dict per key")
+    out = list(tags)
+    if len(out) != n:
+        raise InvalidArgument(f"{len(out)} tag dicts for {n} keys; give one per key")
+    for t in out:
+        if not isinstance(t, Mapping) or not all(isinstance(k, str) for k in t):
+            raise SchemaError("each tag must be a dict with str keys")
+        for k, v in t.items():
+            if not _is_primitive(v):
+                raise SchemaError(f"tag {k!r}={v!r}: tag values must be str/int/float/bool/None or lists/dicts of them")
+    return [dict(t) for t in out]
+
+
+def _is_primitive(v: object) -> bool:
+    if v is None or isinstance(v, (str, int, float, bool)):
+        return True
+    if isinstance(v, (list, tuple)):
+        return all(_is_primitive(x) for x in v)
+    if isinstance(v, dict):
+        return all(isinstance(k, str) and _is_primitive(x) for k, x in v.items())
+    return False
+
+
+def _check_select(select_fields: object) -> list[str]:
+    if isinstance(select_fields, str):
+        select_fields = [select_fields]
+    if not select_fields or not isinstance(select_fields, Sequence):
+        raise InvalidArgument(
+            "select_fields is required and must name at least one field (there is no fetch-all); "
+            "meta.fields lists what a put wrote"
+        )
+    out = [validate_field_name(f) for f in select_fields]
+    if len(set(out)) != len(out):
+        raise InvalidArgument(f"select_fields has duplicates: {out}")
+    return out
+
+
+def _common_lengths(columns: Mapping[str, Column]) -> tuple[int, ...] | None:
+    """Row lengths when every jagged field of the put agrees on them."""
+    found = None
+    for col in columns.values():
+        if col.schema.kind != "jagged":
+            continue
+        lens = col.lengths()
+        assert lens is not None
+        if found is None:
+            found = lens
+        elif not bool((found == lens).all()):
+            return None
+    return None if found is None else tuple(found.tolist())
+
+
+class StoreClient(DataPlaneClient):
+    """The one implementation of the client semantics, over any :class:`KVStore`.
+
+    Args:
+        store: the adapter's store.
+        timeout_s: bound on every blocking call.
+        pickle_fields: object fields this client may write and read with pickle (opt-in by name:
+            unpickling store contents runs code from whoever wrote them).
+        on_close: extra teardown run once by :meth:`close` after the store is closed (owners use
+            it to stop services they started).
+    """
+
+    def __init__(
+        self,
+        store: KVStore,
+        *,
+        timeout_s: float = 60.0,
+        pickle_fields: Collection[str] = (),
+        on_close: Sequence[Any] = (),
+    ) -> None:
+        if timeout_s <= 0:
+            raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s}")
+        self._store = store
+        self.timeout_s = float(timeout_s)
+        self.pickle_fields = frozenset(pickle_fields)
+        self._on_close = list(on_close)
+        self._closed = False
+        self._close_lock = threading.Lock()
+
+    @property
+    def store(self) -> KVStore:
+        return self._store
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._store.capabilities
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClientClosed(f"this {self.capabilities.backend} client is closed; create a new one with dataplane.connect()")
+
+    def kv_batch_put(
+        self,
+        keys: Sequence[str],
+        fields: FieldsIn,
+        *,
+        partition_id: str,
+        tags: Sequence[Mapping[str, Any]] | None = None,
+    ) -> KVBatchMeta:
+        self._check_open()
+        pid = _check_partition(partition_id)
+        key_list = _check_keys(keys)
+        self._store.validate_keys(key_list)
+        tag_list = _check_tags(tags, len(key_list))
+        columns = encode_fields(fields, len(key_list), pickle_fields=self.pickle_fields)
+        extra = self._store.put(pid, key_list, columns, tag_list, timeout_s=self.timeout_s)
+        return KVBatchMeta(
+            partition_id=pid,
+            keys=key_list,
+            fields=tuple(columns),
+            sequence_lengths=_common_lengths(columns),
+            tags=tag_list,
+            extra_info=extra or {},
+        )
+
+    def _resolve(self, keys_or_meta: KeysOrMeta, partition_id: str | None) -> tuple[str, list[str], KVBatchMeta | None]:
+        if isinstance(keys_or_meta, KVBatchMeta):
+            if partition_id is not None and partition_id != keys_or_meta.partition_id:
+                raise InvalidArgument(
+                    f"partition_id={partition_id!r} contradicts the meta's {keys_or_meta.partition_id!r}; drop one"
+                )
+            return keys_or_meta.partition_id, _check_keys(list(keys_or_meta.keys)), keys_or_meta
+        if partition_id is None:
+            raise InvalidArgument("partition_id is required when reading by keys (a meta carries its own)")
+        return _check_partition(partition_id), _check_keys(keys_or_meta), None
+
+    def kv_batch_get(
+        self,
+        keys_or_meta: KeysOrMeta,
+        *,
+        select_fields: Sequence[str] | str,
+        partition_id: str | None = None,
+        layout: Layout = "jagged",
+        pad_values: PadValues = None,
+        pad_to_multiple: int = 1,
+        pad_to_length: int | None = None,
+    ) -> TensorDict:
+        self._check_open()
+        pid, keys, meta = self._resolve(keys_or_meta, partition_id)
+        fields = _check_select(select_fields)
+        if layout not in ("jagged", "padded"):
+            raise InvalidArgument(f"layout must be 'jagged' or 'padded', got {layout!r}")
+        if not isinstance(pad_to_multiple, int) or pad_to_multiple < 1:
+            raise InvalidArgument(f"pad_to_multiple must be an int >= 1, got {pad_to_multiple!r}")
+        if pad_to_length is not None and (not isinstance(pad_to_length, int) or pad_to_length < 0):
+            raise InvalidArgument(f"pad_to_length must be an int >= 0 or None, got {pad_to_length!r}")
+        columns = self._store.get(pid, keys, fields, meta=meta, timeout_s=self.timeout_s)
+        for f in fields:
+            col = columns.get(f)
+            if col is None or col.num_rows != len(keys):
+                got = "no column" if col is None else f"{col.num_rows} rows"
+                raise DataPlaneError(
+                    f"{self.capabilities.backend} adapter returned {got} for field {f!r} of {len(keys)} keys; "
+                    "this is an adapter bug, please report it"
+                )
+        return decode_columns(
+            {f: columns[f] for f in fields},
+            len(keys),
+            layout=layout,
+            pad_values=pad_values,
+            pad_to_multiple=pad_to_multiple,
+            pad_to_length=pad_to_length,
+            pickle_fields=self.pickle_fields,
+        )
+
+    def kv_clear(self, keys: Sequence[str] | None = None, *, partition_id: str) -> None:
+        self._check_open()
+        pid = _check_partition(partition_id)
+        key_list = None if keys is None else _check_keys(keys)
+        self._store.clear(pid, key_list, timeout_s=self.timeout_s)
+
+    def kv_list(self, partition_id: str | None = None) -> Listing:
+        self._check_open()
+        pid = None if partition_id is None else _check_partition(partition_id)
+        return self._store.list(pid, timeout_s=self.timeout_s)
+
+    def close(self) -> None:
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._store.close()
+        finally:
+            for fn in self._on_close:
+                try:
+                    fn()
+                except Exception:  # teardown must go on for the rest
+                    log.exception("dataplane: teardown step %r failed", fn)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<{type(self).__name__} backend={self.capabilities.backend} {state}>"
