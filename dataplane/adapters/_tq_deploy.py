@@ -539,7 +539,11 @@ def start_or_attach(cfg: TQDeployConfig | None = None) -> TQDeployment:
         t0 = time.monotonic()
         if controller is not None:
             conf = _wait_for_config(controller, deadline)
-            _check_mooncake_master(conf)
+            if conf.backend.storage_backend == "MooncakeStore":
+                from dataplane.adapters._mooncake_procs import apply_client_env_defaults
+
+                apply_client_env_defaults()  # read at store setup, which tq.init does below
+                _check_mooncake_master(conf)
             if itf._TQ_CLIENT is None:
                 _run_bounded(tq.init, max(0.1, deadline - time.monotonic()), "TransferQueue attach")
             dep.conf = conf
@@ -563,8 +567,6 @@ def start_or_attach(cfg: TQDeployConfig | None = None) -> TQDeployment:
 
 
 def _check_mooncake_master(conf: Any) -> None:
-    if conf.backend.storage_backend != "MooncakeStore":
-        return
     address = str(conf.backend.MooncakeStore.master_server_address)
     if not _tcp_reachable(address):
         raise RuntimeError(

@@ -1,0 +1,218 @@
+"""Metrics for any client: a wrapper that times every call and reports one event per call.
+
+>>> import dataplane, torch
+>>> events = []
+>>> client = ObservedClient(dataplane.connect(), callback=events.append)
+>>> _ = client.kv_batch_put(["a"], {"x": torch.zeros(1, 4)}, partition_id="p")
+>>> events[0].op, events[0].n_keys, events[0].bytes, events[0].status
+('kv_batch_put', 1, 16, 'ok')
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from dataplane.client import Capabilities, DataPlaneClient, FieldsIn, KeysOrMeta, Listing, PadValues
+from dataplane.codec.wire import Layout
+from dataplane.meta import KVBatchMeta
+
+__all__ = ["CallEvent", "ObservedClient", "payload_bytes"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CallEvent:
+    """One finished call. ``status`` is ``"ok"`` or the exception's class name."""
+
+    op: str
+    partition_id: str | None
+    n_keys: int
+    n_fields: int
+    bytes: int
+    seconds: float
+    status: str
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    if t.is_nested:
+        return int(t.values().numel() * t.values().element_size())
+    return int(t.numel() * t.element_size())
+
+
+def payload_bytes(fields: FieldsIn | TensorDict) -> int:
+    """Bytes of tensor data in a put's fields or a get's result (object columns count 0)."""
+    total = 0
+    items: Any = fields.items() if isinstance(fields, (Mapping, TensorDictBase)) else ()
+    for _, value in items:
+        if isinstance(value, torch.Tensor):
+            total += _tensor_bytes(value)
+        elif isinstance(value, (list, tuple)):
+            total += sum(_tensor_bytes(v) for v in value if isinstance(v, torch.Tensor))
+    return total
+
+
+@dataclass
+class _OpStats:
+    count: int = 0
+    errors: int = 0
+    bytes: int = 0
+    seconds: list[float] = field(default_factory=list)
+
+
+def _quantile(sorted_values: Sequence[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    i = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
+    return sorted_values[i]
+
+
+class ObservedClient(DataPlaneClient):
+    """Wraps a client; every call sends a :class:`CallEvent` to ``callback`` and feeds :meth:`snapshot`.
+
+    Args:
+        inner: the client to wrap (it is closed with this one).
+        callback: called with each event, from the calling thread; its exceptions are logged, not raised.
+        keep_last: latency samples kept per op for the percentiles.
+    """
+
+    def __init__(
+        self, inner: DataPlaneClient, callback: Callable[[CallEvent], None] | None = None, *, keep_last: int = 10_000
+    ) -> None:
+        self.inner = inner
+        self.callback = callback
+        self.keep_last = keep_last
+        self._lock = threading.Lock()
+        self._ops: dict[str, _OpStats] = {}
+        self._held: dict[tuple[str, str], dict[str, int]] = {}
+        self._outstanding = 0
+        self._peak = 0
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.inner.capabilities
+
+    @contextmanager
+    def _observe(self, op: str, partition_id: str | None, n_keys: int, n_fields: int) -> Iterator[list[int]]:
+        box = [0]  # the call fills in its byte count
+        status = "ok"
+        t0 = time.perf_counter()
+        try:
+            yield box
+        except BaseException as e:
+            status = type(e).__name__
+            raise
+        finally:
+            seconds = time.perf_counter() - t0
+            event = CallEvent(
+                op=op, partition_id=partition_id, n_keys=n_keys, n_fields=n_fields,
+                bytes=box[0], seconds=seconds, status=status,
+            )
+            with self._lock:
+                st = self._ops.setdefault(op, _OpStats())
+                st.count += 1
+                st.errors += status != "ok"
+                st.bytes += box[0]
+                st.seconds.append(seconds)
+                if len(st.seconds) > self.keep_last:
+                    del st.seconds[: len(st.seconds) - self.keep_last]
+            if self.callback is not None:
+                try:
+                    self.callback(event)
+                except Exception:
+                    log.exception("dataplane: observability callback failed")
+
+    def kv_batch_put(
+        self,
+        keys: Sequence[str],
+        fields: FieldsIn,
+        *,
+        partition_id: str,
+        tags: Sequence[Mapping[str, Any]] | None = None,
+    ) -> KVBatchMeta:
+        n_fields = len(list(fields.keys()))
+        with self._observe("kv_batch_put", partition_id, len(keys), n_fields) as box:
+            meta = self.inner.kv_batch_put(keys, fields, partition_id=partition_id, tags=tags)
+            per_field = {f: payload_bytes({f: v}) for f, v in fields.items()}
+            box[0] = sum(per_field.values())
+            self._account_put(partition_id, list(keys), per_field)
+            return meta
+
+    def _account_put(self, partition_id: str, keys: list[str], per_field: Mapping[str, int]) -> None:
+        """Bytes held per (key, field); a re-write replaces, a new field adds."""
+        n = max(len(keys), 1)
+        with self._lock:
+            for k in keys:
+                held = self._held.setdefault((partition_id, k), {})
+                for f, nbytes in per_field.items():
+                    share = nbytes // n
+                    self._outstanding += share - held.get(f, 0)
+                    held[f] = share
+            self._peak = max(self._peak, self._outstanding)
+
+    def kv_batch_get(
+        self,
+        keys_or_meta: KeysOrMeta,
+        *,
+        select_fields: Sequence[str] | str,
+        partition_id: str | None = None,
+        layout: Layout = "jagged",
+        pad_values: PadValues = None,
+        pad_to_multiple: int = 1,
+        pad_to_length: int | None = None,
+    ) -> TensorDict:
+        pid = keys_or_meta.partition_id if isinstance(keys_or_meta, KVBatchMeta) else partition_id
+        n_fields = 1 if isinstance(select_fields, str) else len(select_fields or ())
+        with self._observe("kv_batch_get", pid, len(keys_or_meta), n_fields) as box:
+            out = self.inner.kv_batch_get(
+                keys_or_meta,
+                select_fields=select_fields,
+                partition_id=partition_id,
+                layout=layout,
+                pad_values=pad_values,
+                pad_to_multiple=pad_to_multiple,
+                pad_to_length=pad_to_length,
+            )
+            box[0] = payload_bytes(out)
+            return out
+
+    def kv_clear(self, keys: Sequence[str] | None = None, *, partition_id: str) -> None:
+        with self._observe("kv_clear", partition_id, len(keys) if keys is not None else 0, 0):
+            self.inner.kv_clear(keys, partition_id=partition_id)
+            with self._lock:
+                doomed = [pk for pk in self._held if pk[0] == partition_id and (keys is None or pk[1] in keys)]
+                for pk in doomed:
+                    self._outstanding -= sum(self._held.pop(pk).values())
+
+    def kv_list(self, partition_id: str | None = None) -> Listing:
+        with self._observe("kv_list", partition_id, 0, 0):
+            return self.inner.kv_list(partition_id)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def snapshot(self) -> dict[str, Any]:
+        """Per-op count, errors, bytes and p50/p90/p99 seconds; bytes outstanding (put, not yet cleared
+        through this client) and their peak."""
+        with self._lock:
+            ops = {}
+            for op, st in self._ops.items():
+                lat = sorted(st.seconds)
+                ops[op] = {
+                    "count": st.count,
+                    "errors": st.errors,
+                    "bytes": st.bytes,
+                    "p50_s": _quantile(lat, 0.50),
+                    "p90_s": _quantile(lat, 0.90),
+                    "p99_s": _quantile(lat, 0.99),
+                }
+            return {"ops": ops, "bytes_outstanding": self._outstanding, "bytes_peak": self._peak}

@@ -1,0 +1,329 @@
+"""The conformance suite every adapter passes unchanged.
+
+Subclass :class:`ClientConformance` in a test module and implement :meth:`make_client`::
+
+    class TestMyAdapter(ClientConformance):
+        def make_client(self, **options):
+            return dataplane.connect("myscheme://...", **options)
+
+One client is made per test class (backends can be slow to start); each test writes to a fresh
+partition and clears it afterwards. Adapters that cannot bound capacity return None from
+:meth:`make_limited_client`, and those tests are skipped with that reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dataplane.client import DataPlaneClient
+from dataplane.codec.jagged import materialize
+from dataplane.errors import (
+    CapacityExceeded,
+    ClientClosed,
+    DataPlaneError,
+    InvalidArgument,
+    KeyNotFound,
+    SchemaError,
+)
+from dataplane.meta import KVBatchMeta
+from dataplane.testing.strategies import ALL_DTYPES, bit_exact, object_values, ragged_batches, random_tensor
+
+__all__ = ["ClientConformance"]
+
+_SLOW = settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+
+
+def _jagged(rows: list[torch.Tensor]) -> torch.Tensor:
+    return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+
+
+def _rows_of(t: torch.Tensor) -> list[torch.Tensor]:
+    return list(t.unbind()) if t.is_nested else list(t.unbind(0))
+
+
+class ClientConformance:
+    """Shared semantics of every :class:`~dataplane.client.DataPlaneClient`."""
+
+    def make_client(self, **options: Any) -> DataPlaneClient:
+        raise NotImplementedError("subclass ClientConformance and return a fresh client from make_client()")
+
+    def make_limited_client(self, *, capacity_bytes: int | None = None, capacity_rows: int | None = None) -> DataPlaneClient | None:
+        """A client whose store holds at most this much, or None if the adapter cannot bound it."""
+        return None
+
+    # -- fixtures -------------------------------------------------------------------------------
+    @pytest.fixture(scope="class")
+    def client(self) -> Iterator[DataPlaneClient]:
+        c = self.make_client()
+        yield c
+        c.close()
+
+    @pytest.fixture
+    def pid(self, client: DataPlaneClient) -> Iterator[str]:
+        name = f"conf-{uuid.uuid4().hex[:10]}"
+        yield name
+        if not getattr(client, "closed", False):
+            client.kv_clear(partition_id=name)
+
+    # -- round trips ----------------------------------------------------------------------------
+    @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+    def test_dense_dtypes_bit_exact(self, client: DataPlaneClient, pid: str, dtype: torch.dtype) -> None:
+        keys = [f"k{i}" for i in range(5)]
+        fields = {"m": random_tensor((5, 3, 2), dtype, 1), "s": random_tensor((5,), dtype, 2)}
+        client.kv_batch_put(keys, fields, partition_id=pid)
+        out = client.kv_batch_get(keys, partition_id=pid, select_fields=["m", "s"])
+        assert bit_exact(out["m"], fields["m"])
+        assert bit_exact(out["s"], fields["s"]) and out["s"].shape == (5,)
+
+    @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+    def test_jagged_dtypes_both_layouts(self, client: DataPlaneClient, pid: str, dtype: torch.dtype) -> None:
+        rows = [random_tensor((n, 2), dtype, n) for n in (3, 0, 7, 1)]
+        keys = ["a", "b", "c", "d"]
+        client.kv_batch_put(keys, {"t": _jagged(rows)}, partition_id=pid)
+        nested = client.kv_batch_get(keys, partition_id=pid, select_fields=["t"])["t"]
+        assert nested.is_nested and nested.layout == torch.jagged
+        assert all(bit_exact(a, b) for a, b in zip(nested.unbind(), rows, strict=True))
+        padded = client.kv_batch_get(keys, partition_id=pid, select_fields="t", layout="padded")["t"]
+        assert padded.shape == (4, 7, 2) and padded.dtype == dtype
+        for i, r in enumerate(rows):
+            assert bit_exact(padded[i, : r.shape[0]], r)
+
+    def test_padding_options(self, client: DataPlaneClient, pid: str) -> None:
+        rows = [torch.arange(n) + 1 for n in (3, 5, 1)]
+        meta = client.kv_batch_put(["a", "b", "c"], {"ids": _jagged(rows), "lp": _jagged([r.float() for r in rows])}, partition_id=pid)
+        assert meta.sequence_lengths == (3, 5, 1)
+        out = client.kv_batch_get(meta, select_fields=["ids", "lp"], layout="padded", pad_values={"ids": -7, "lp": 0.5}, pad_to_multiple=4)
+        assert out["ids"].shape == (3, 8) and out["ids"][2, 1:].eq(-7).all() and out["lp"][0, 3:].eq(0.5).all()
+        out = client.kv_batch_get(meta, select_fields=["ids"], layout="padded", pad_to_length=11)
+        assert out["ids"].shape == (3, 11)
+        expected = materialize(torch.cat(rows), torch.tensor([0, 3, 8, 9]), pad_to_length=11)
+        assert torch.equal(out["ids"], expected)
+        with pytest.raises(InvalidArgument):
+            client.kv_batch_get(meta, select_fields=["ids"], layout="padded", pad_to_length=2)
+
+    def test_object_columns(self, client: DataPlaneClient, pid: str) -> None:
+        values = ["héllo", {"role": "user", "content": [1, 2.5, None]}, [b"\x00raw", True], None]
+        keys = [f"o{i}" for i in range(4)]
+        client.kv_batch_put(keys, {"msg": values}, partition_id=pid)
+        assert client.kv_batch_get(keys, partition_id=pid, select_fields="msg")["msg"] == values
+
+    @given(batch=ragged_batches())
+    @_SLOW
+    def test_random_batches_round_trip(self, client: DataPlaneClient, batch: tuple[list[str], dict[str, Any]]) -> None:
+        keys, fields = batch
+        pid = f"hyp-{uuid.uuid4().hex[:10]}"
+        try:
+            client.kv_batch_put(keys, fields, partition_id=pid)
+            order = list(reversed(range(len(keys))))
+            out = client.kv_batch_get([keys[i] for i in order], partition_id=pid, select_fields=list(fields))
+            for name in ("tokens", "dense", "scalar"):
+                got, want = _rows_of(out[name]), _rows_of(fields[name])
+                assert all(bit_exact(got[j], want[i]) for j, i in enumerate(order))
+            assert out["obj"] == [fields["obj"][i] for i in order]
+        finally:
+            client.kv_clear(partition_id=pid)
+
+    # -- semantics ------------------------------------------------------------------------------
+    def test_get_returns_requested_order_and_fields(self, client: DataPlaneClient, pid: str) -> None:
+        keys = [f"r{i}" for i in range(8)]
+        client.kv_batch_put(keys, {"x": torch.arange(8), "y": torch.arange(8) * 2}, partition_id=pid)
+        out = client.kv_batch_get(["r5", "r0", "r7"], partition_id=pid, select_fields=["y"])
+        assert out["y"].tolist() == [10, 0, 14] and list(out.keys()) == ["y"]
+
+    def test_missing_key_and_field_raise(self, client: DataPlaneClient, pid: str) -> None:
+        client.kv_batch_put(["a", "b"], {"x": torch.zeros(2)}, partition_id=pid)
+        client.kv_batch_put(["a"], {"z": torch.ones(1)}, partition_id=pid)
+        with pytest.raises(KeyNotFound, match="nope"):
+            client.kv_batch_get(["a", "nope"], partition_id=pid, select_fields=["x"])
+        with pytest.raises(KeyNotFound, match="'z'"):
+            client.kv_batch_get(["a", "b"], partition_id=pid, select_fields=["x", "z"])
+        with pytest.raises(KeyNotFound, match="never_written"):
+            client.kv_batch_get(["a"], partition_id=pid, select_fields=["never_written"])
+        with pytest.raises(KeyError):
+            client.kv_batch_get(["a"], partition_id=f"{pid}-other", select_fields=["x"])
+
+    def test_select_fields_required(self, client: DataPlaneClient, pid: str) -> None:
+        client.kv_batch_put(["a"], {"x": torch.zeros(1)}, partition_id=pid)
+        for bad in ([], None, ()):
+            with pytest.raises(InvalidArgument, match="select_fields"):
+                client.kv_batch_get(["a"], partition_id=pid, select_fields=bad)  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            client.kv_batch_get(["a"], partition_id=pid)  # type: ignore[call-arg]
+
+    def test_rewrite_replaces_and_new_field_adds(self, client: DataPlaneClient, pid: str) -> None:
+        client.kv_batch_put(["a", "b"], {"x": torch.tensor([1, 2]), "t": _jagged([torch.arange(2), torch.arange(3)])}, partition_id=pid)
+        client.kv_batch_put(["b"], {"x": torch.tensor([20]), "t": _jagged([torch.arange(9)])}, partition_id=pid)
+        client.kv_batch_put(["a", "b"], {"adv": torch.tensor([0.5, -0.5])}, partition_id=pid)
+        out = client.kv_batch_get(["a", "b"], partition_id=pid, select_fields=["x", "t", "adv"])
+        assert out["x"].tolist() == [1, 20] and out["adv"].tolist() == [0.5, -0.5]
+        assert [r.numel() for r in out["t"].unbind()] == [2, 9]
+
+    def test_clear_keys_and_partition_and_isolation(self, client: DataPlaneClient, pid: str) -> None:
+        other = f"{pid}-b"
+        try:
+            client.kv_batch_put(["a", "b", "c"], {"x": torch.arange(3)}, partition_id=pid)
+            client.kv_batch_put(["a"], {"x": torch.tensor([99])}, partition_id=other)
+            assert client.kv_batch_get(["a"], partition_id=other, select_fields="x")["x"].tolist() == [99]
+            client.kv_clear(["a", "unknown"], partition_id=pid)
+            assert sorted(client.kv_list(pid)[pid]) == ["b", "c"]
+            with pytest.raises(KeyNotFound):
+                client.kv_batch_get(["a"], partition_id=pid, select_fields="x")
+            client.kv_clear(partition_id=pid)
+            assert client.kv_list(pid).get(pid, {}) == {}
+            assert client.kv_batch_get(["a"], partition_id=other, select_fields="x")["x"].tolist() == [99]
+            # a cleared partition forgets its schema
+            client.kv_batch_put(["a"], {"x": torch.tensor([1.5])}, partition_id=pid)
+        finally:
+            client.kv_clear(partition_id=other)
+
+    def test_tags_and_listing(self, client: DataPlaneClient, pid: str) -> None:
+        meta = client.kv_batch_put(["a", "b"], {"x": torch.zeros(2)}, partition_id=pid, tags=[{"r": 1.0}, {"r": 0.0}])
+        assert meta.tags == ({"r": 1.0}, {"r": 0.0}) and meta.fields == ("x",)
+        client.kv_batch_put(["a"], {"y": torch.zeros(1)}, partition_id=pid, tags=[{"v": 3}])
+        assert client.kv_list(pid)[pid] == {"a": {"r": 1.0, "v": 3}, "b": {"r": 0.0}}
+        assert pid in client.kv_list()
+
+    def test_get_by_meta(self, client: DataPlaneClient, pid: str) -> None:
+        meta = client.kv_batch_put(["a", "b", "c"], {"x": torch.arange(3)}, partition_id=pid)
+        sub = KVBatchMeta.from_dict(meta.to_dict()).subset([2, 0])
+        assert client.kv_batch_get(sub, select_fields=meta.fields)["x"].tolist() == [2, 0]
+        with pytest.raises(InvalidArgument):
+            client.kv_batch_get(sub, select_fields=["x"], partition_id=f"{pid}-other")
+        with pytest.raises(InvalidArgument):
+            client.kv_batch_get(["a"], select_fields=["x"])
+
+    def test_copies_are_independent(self, client: DataPlaneClient, pid: str) -> None:
+        src = torch.arange(6).view(2, 3)
+        rows = [torch.arange(4), torch.arange(2)]
+        client.kv_batch_put(["a", "b"], {"x": src, "t": _jagged(rows)}, partition_id=pid)
+        src.fill_(-1)
+        rows[0].fill_(-1)
+        out = client.kv_batch_get(["a", "b"], partition_id=pid, select_fields=["x", "t"])
+        assert out["x"].tolist() == [[0, 1, 2], [3, 4, 5]]
+        out["x"].fill_(7)
+        out["t"].values().fill_(7)
+        again = client.kv_batch_get(["a", "b"], partition_id=pid, select_fields=["x", "t"])
+        assert again["x"].tolist() == [[0, 1, 2], [3, 4, 5]] and again["t"].values().tolist() == [0, 1, 2, 3, 0, 1]
+
+    def test_concurrent_writers(self, client: DataPlaneClient, pid: str) -> None:
+        errors: list[BaseException] = []
+
+        def work(t: int) -> None:
+            try:
+                keys = [f"t{t}_{i}" for i in range(16)]
+                client.kv_batch_put(keys, {"x": torch.full((16, 4), t)}, partition_id=pid)
+                assert client.kv_batch_get(keys, partition_id=pid, select_fields="x")["x"].eq(t).all()
+            except BaseException as e:  # collected and re-raised below
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=120)
+        assert not errors, errors
+        assert len(client.kv_list(pid)[pid]) == 64
+
+    def test_async_twins_and_sync_inside_loop(self, client: DataPlaneClient, pid: str) -> None:
+        async def main() -> None:
+            meta = await client.async_kv_batch_put(["a"], {"x": torch.tensor([5])}, partition_id=pid)
+            out = await client.async_kv_batch_get(meta, select_fields=["x"])
+            assert out["x"].tolist() == [5]
+            assert client.kv_batch_get(meta, select_fields=["x"])["x"].tolist() == [5]  # sync, loop running
+            assert "a" in (await client.async_kv_list(pid))[pid]
+            await client.async_kv_clear(["a"], partition_id=pid)
+
+        asyncio.run(asyncio.wait_for(main(), timeout=120))
+
+    # -- bad input never corrupts ---------------------------------------------------------------
+    def _bad_puts(self) -> list[tuple[str, type[BaseException], Any, Any]]:
+        t = torch.zeros(2, 3)
+        return [
+            ("duplicate keys", InvalidArgument, ["a", "a"], {"x": t}),
+            ("size mismatch", InvalidArgument, ["a", "b", "c"], {"x": t}),
+            ("non-str key", SchemaError, ["a", 3], {"x": t}),
+            ("single str keys", SchemaError, "ab", {"x": t}),
+            ("empty keys", InvalidArgument, [], {"x": t}),
+            ("dtype change", SchemaError, ["a", "b"], {"x": t.double()}),
+            ("trailing shape change", SchemaError, ["a", "b"], {"x": torch.zeros(2, 4)}),
+            ("kind change", SchemaError, ["a", "b"], {"x": _jagged([torch.zeros(1, 3), torch.zeros(2, 3)])}),
+            ("unsupported leaf", SchemaError, ["a", "b"], {"y": object()}),
+            ("0-d tensor", SchemaError, ["a", "b"], {"y": torch.tensor(1.0)}),
+            ("unencodable object", SchemaError, ["a", "b"], {"y": [object(), 1]}),
+            ("bad field name", SchemaError, ["a", "b"], {"bad name": t}),
+            ("empty fields", InvalidArgument, ["a", "b"], {}),
+            ("second field bad", SchemaError, ["a", "b"], {"ok_new": t, "x": t.int()}),
+        ]
+
+    def test_bad_puts_raise_typed_and_change_nothing(self, client: DataPlaneClient, pid: str) -> None:
+        client.kv_batch_put(["a", "b"], {"x": torch.ones(2, 3)}, partition_id=pid, tags=[{"v": 1}, {"v": 2}])
+        before = client.kv_list()
+        for name, exc, keys, fields in self._bad_puts():
+            with pytest.raises(exc):
+                client.kv_batch_put(keys, fields, partition_id=pid)
+            assert client.kv_list() == before, name
+        with pytest.raises(KeyNotFound):  # the failed multi-field put left no column behind
+            client.kv_batch_get(["a"], partition_id=pid, select_fields=["ok_new"])
+        assert client.kv_batch_get(["a", "b"], partition_id=pid, select_fields="x")["x"].eq(1).all()
+
+    @given(data=st.data())
+    @_SLOW
+    def test_random_bad_inputs_change_nothing(self, client: DataPlaneClient, data: st.DataObject) -> None:
+        pid = f"bad-{uuid.uuid4().hex[:10]}"
+        try:
+            client.kv_batch_put(["a", "b"], {"x": torch.ones(2, 3), "o": ["p", "q"]}, partition_id=pid)
+            before = client.kv_list()
+            keys = data.draw(st.one_of(
+                st.lists(st.sampled_from(["a", "b", "c"]), min_size=2, max_size=2).filter(lambda k: len(set(k)) < 2),
+                st.lists(st.sampled_from(["a", "b", "c", "d"]), min_size=1, max_size=4, unique=True).filter(lambda k: len(k) != 2),
+                st.just(["a", 1]), st.just(["", "b"]),
+            ), label="keys")
+            value = data.draw(st.one_of(
+                st.sampled_from(ALL_DTYPES).map(lambda d: random_tensor((2, 3), d) if d != torch.float32 else torch.ones(2, 4)),
+                st.lists(object_values, min_size=2, max_size=2),
+                st.just(torch.ones(2, 3)),
+            ), label="value")
+            with pytest.raises(DataPlaneError):
+                client.kv_batch_put(keys, {"x": value}, partition_id=pid)
+            assert client.kv_list() == before
+            assert client.kv_batch_get(["a", "b"], partition_id=pid, select_fields="x")["x"].eq(1).all()
+        finally:
+            client.kv_clear(partition_id=pid)
+
+    def test_capacity_exceeded_writes_nothing(self) -> None:
+        limited = self.make_limited_client(capacity_bytes=64 * 1024, capacity_rows=8)
+        if limited is None:
+            pytest.skip("this adapter cannot bound its capacity from a client option")
+        with limited:
+            limited.kv_batch_put([f"k{i}" for i in range(4)], {"x": torch.zeros(4, 1024)}, partition_id="cap")
+            before = limited.kv_list()
+            with pytest.raises(CapacityExceeded):
+                limited.kv_batch_put([f"n{i}" for i in range(4)], {"y": torch.zeros(4, 4096)}, partition_id="cap")
+            with pytest.raises(CapacityExceeded):
+                limited.kv_batch_put([f"r{i}" for i in range(5)], {"x": torch.zeros(5, 1)}, partition_id="cap2")
+            assert limited.kv_list() == before
+            limited.kv_clear(partition_id="cap")
+            limited.kv_batch_put([f"n{i}" for i in range(4)], {"x": torch.zeros(4, 4096)}, partition_id="cap")
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def test_close_is_idempotent_and_final(self) -> None:
+        c = self.make_client()
+        c.kv_batch_put(["a"], {"x": torch.zeros(1)}, partition_id="life")
+        c.kv_clear(partition_id="life")
+        c.close()
+        c.close()
+        with pytest.raises(ClientClosed):
+            c.kv_batch_put(["a"], {"x": torch.zeros(1)}, partition_id="life")
+        with pytest.raises(ClientClosed):
+            c.kv_batch_get(["a"], partition_id="life", select_fields="x")
+        with pytest.raises(ClientClosed):
+            c.kv_list()
