@@ -114,8 +114,13 @@ class ObservedClient(DataPlaneClient):
         finally:
             seconds = time.perf_counter() - t0
             event = CallEvent(
-                op=op, partition_id=partition_id, n_keys=n_keys, n_fields=n_fields,
-                bytes=box[0], seconds=seconds, status=status,
+                op=op,
+                partition_id=partition_id,
+                n_keys=n_keys,
+                n_fields=n_fields,
+                bytes=box[0],
+                seconds=seconds,
+                status=status,
             )
             with self._lock:
                 st = self._ops.setdefault(op, _OpStats())

@@ -113,9 +113,9 @@ def _scheme_of(url_or_config: Any) -> str:
         if not sep or not scheme:
             raise InvalidArgument(f"expected a URL like 'memory://' or 'tq://?backend=simple', got {url_or_config!r}")
         return scheme
-    scheme = getattr(url_or_config, "scheme", None)
-    if isinstance(scheme, str):
-        return scheme
+    declared = getattr(url_or_config, "scheme", None)
+    if isinstance(declared, str):
+        return declared
     module = type(url_or_config).__module__
     for spec in _BUILTIN.values():
         if spec.target.partition(":")[0] == module:

@@ -100,7 +100,9 @@ def _check_keys(keys: object, *, what: str = "keys") -> list[str]:
         raise InvalidArgument(f"{what} is empty; give at least one key")
     for k in out:
         if not isinstance(k, str):
-            raise SchemaError(f"every key must be a str, got {type(k).__name__} ({k!r}); mint keys like f'{{uid}}_g{{i}}'")
+            raise SchemaError(
+                f"every key must be a str, got {type(k).__name__} ({k!r}); mint keys like f'{{uid}}_g{{i}}'"
+            )
         if not k or len(k) > MAX_KEY_LEN or not k.isprintable():
             raise InvalidArgument(f"key {k[:40]!r} must be 1-{MAX_KEY_LEN} printable characters")
     if len(set(out)) != len(out):
@@ -209,7 +211,9 @@ class StoreClient(DataPlaneClient):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ClientClosed(f"this {self.capabilities.backend} client is closed; create a new one with dataplane.connect()")
+            raise ClientClosed(
+                f"this {self.capabilities.backend} client is closed; create a new one with dataplane.connect()"
+            )
 
     def kv_batch_put(
         self,
@@ -228,10 +232,10 @@ class StoreClient(DataPlaneClient):
         extra = self._store.put(pid, key_list, columns, tag_list, timeout_s=self.timeout_s)
         return KVBatchMeta(
             partition_id=pid,
-            keys=key_list,
+            keys=tuple(key_list),
             fields=tuple(columns),
             sequence_lengths=_common_lengths(columns),
-            tags=tag_list,
+            tags=None if tag_list is None else tuple(tag_list),
             extra_info=extra or {},
         )
 

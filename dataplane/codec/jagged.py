@@ -76,7 +76,7 @@ def pack_nested(nt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if nt.layout == torch.jagged:
         if nt._ragged_idx != 1:  # type: ignore[attr-defined]
             raise SchemaError("jagged nested tensors must be ragged in dim 1 (rows of [L_i, *inner])")
-        offsets = nt.offsets().to(torch.int64)
+        offsets = nt.offsets().to(torch.int64)  # type: ignore[attr-defined]
         values = nt.values()
         holes = nt.lengths() if hasattr(nt, "lengths") else None
         if holes is not None:  # non-contiguous jagged (with holes): gather rows

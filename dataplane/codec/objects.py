@@ -60,7 +60,7 @@ def decode_objects(
     for i in range(len(cuts) - 1):
         chunk = raw[cuts[i] : cuts[i + 1]]
         if codec == "pickle":
-            out.append(pickle.loads(chunk))  # noqa: S301 - explicit opt-in above
+            out.append(pickle.loads(chunk))
         else:
             out.append(msgpack.unpackb(chunk, raw=False, strict_map_key=False))
     return out

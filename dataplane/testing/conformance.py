@@ -56,7 +56,9 @@ class ClientConformance:
     def make_client(self, **options: Any) -> DataPlaneClient:
         raise NotImplementedError("subclass ClientConformance and return a fresh client from make_client()")
 
-    def make_limited_client(self, *, capacity_bytes: int | None = None, capacity_rows: int | None = None) -> DataPlaneClient | None:
+    def make_limited_client(
+        self, *, capacity_bytes: int | None = None, capacity_rows: int | None = None
+    ) -> DataPlaneClient | None:
         """A client whose store holds at most this much, or None if the adapter cannot bound it."""
         return None
 
@@ -99,9 +101,13 @@ class ClientConformance:
 
     def test_padding_options(self, client: DataPlaneClient, pid: str) -> None:
         rows = [torch.arange(n) + 1 for n in (3, 5, 1)]
-        meta = client.kv_batch_put(["a", "b", "c"], {"ids": _jagged(rows), "lp": _jagged([r.float() for r in rows])}, partition_id=pid)
+        meta = client.kv_batch_put(
+            ["a", "b", "c"], {"ids": _jagged(rows), "lp": _jagged([r.float() for r in rows])}, partition_id=pid
+        )
         assert meta.sequence_lengths == (3, 5, 1)
-        out = client.kv_batch_get(meta, select_fields=["ids", "lp"], layout="padded", pad_values={"ids": -7, "lp": 0.5}, pad_to_multiple=4)
+        out = client.kv_batch_get(
+            meta, select_fields=["ids", "lp"], layout="padded", pad_values={"ids": -7, "lp": 0.5}, pad_to_multiple=4
+        )
         assert out["ids"].shape == (3, 8) and out["ids"][2, 1:].eq(-7).all() and out["lp"][0, 3:].eq(0.5).all()
         out = client.kv_batch_get(meta, select_fields=["ids"], layout="padded", pad_to_length=11)
         assert out["ids"].shape == (3, 11)
@@ -160,7 +166,9 @@ class ClientConformance:
             client.kv_batch_get(["a"], partition_id=pid)  # type: ignore[call-arg]
 
     def test_rewrite_replaces_and_new_field_adds(self, client: DataPlaneClient, pid: str) -> None:
-        client.kv_batch_put(["a", "b"], {"x": torch.tensor([1, 2]), "t": _jagged([torch.arange(2), torch.arange(3)])}, partition_id=pid)
+        client.kv_batch_put(
+            ["a", "b"], {"x": torch.tensor([1, 2]), "t": _jagged([torch.arange(2), torch.arange(3)])}, partition_id=pid
+        )
         client.kv_batch_put(["b"], {"x": torch.tensor([20]), "t": _jagged([torch.arange(9)])}, partition_id=pid)
         client.kv_batch_put(["a", "b"], {"adv": torch.tensor([0.5, -0.5])}, partition_id=pid)
         out = client.kv_batch_get(["a", "b"], partition_id=pid, select_fields=["x", "t", "adv"])
@@ -282,16 +290,29 @@ class ClientConformance:
         try:
             client.kv_batch_put(["a", "b"], {"x": torch.ones(2, 3), "o": ["p", "q"]}, partition_id=pid)
             before = client.kv_list()
-            keys = data.draw(st.one_of(
-                st.lists(st.sampled_from(["a", "b", "c"]), min_size=2, max_size=2).filter(lambda k: len(set(k)) < 2),
-                st.lists(st.sampled_from(["a", "b", "c", "d"]), min_size=1, max_size=4, unique=True).filter(lambda k: len(k) != 2),
-                st.just(["a", 1]), st.just(["", "b"]),
-            ), label="keys")
-            value = data.draw(st.one_of(
-                st.sampled_from(ALL_DTYPES).map(lambda d: random_tensor((2, 3), d) if d != torch.float32 else torch.ones(2, 4)),
-                st.lists(object_values, min_size=2, max_size=2),
-                st.just(torch.ones(2, 3)),
-            ), label="value")
+            keys = data.draw(
+                st.one_of(
+                    st.lists(st.sampled_from(["a", "b", "c"]), min_size=2, max_size=2).filter(
+                        lambda k: len(set(k)) < 2
+                    ),
+                    st.lists(st.sampled_from(["a", "b", "c", "d"]), min_size=1, max_size=4, unique=True).filter(
+                        lambda k: len(k) != 2
+                    ),
+                    st.just(["a", 1]),
+                    st.just(["", "b"]),
+                ),
+                label="keys",
+            )
+            value = data.draw(
+                st.one_of(
+                    st.sampled_from(ALL_DTYPES).map(
+                        lambda d: random_tensor((2, 3), d) if d != torch.float32 else torch.ones(2, 4)
+                    ),
+                    st.lists(object_values, min_size=2, max_size=2),
+                    st.just(torch.ones(2, 3)),
+                ),
+                label="value",
+            )
             with pytest.raises(DataPlaneError):
                 client.kv_batch_put(keys, {"x": value}, partition_id=pid)
             assert client.kv_list() == before

@@ -61,9 +61,18 @@ def make_state_machine(factory: Callable[[], DataPlaneClient]) -> type[RuleBased
             lens = data.draw(st.lists(st.integers(0, 12), min_size=n, max_size=n), label="lens")
             values: dict[str, Any] = {}
             for f in fields:
-                values[f] = data.draw(st.lists(object_values, min_size=n, max_size=n)) if f == "msg" else _value(f, n, seed, lens)
-            tags = data.draw(st.lists(st.fixed_dictionaries({"r": st.integers(-3, 3)}), min_size=n, max_size=n), label="tags")
-            send = {f: (torch.nested.as_nested_tensor(v, layout=torch.jagged) if f == "ids" else v) for f, v in values.items()}
+                values[f] = (
+                    data.draw(st.lists(object_values, min_size=n, max_size=n))
+                    if f == "msg"
+                    else _value(f, n, seed, lens)
+                )
+            tags = data.draw(
+                st.lists(st.fixed_dictionaries({"r": st.integers(-3, 3)}), min_size=n, max_size=n), label="tags"
+            )
+            send = {
+                f: (torch.nested.as_nested_tensor(v, layout=torch.jagged) if f == "ids" else v)
+                for f, v in values.items()
+            }
             self.client.kv_batch_put(keys, send, partition_id=pid, tags=tags)
             for i, k in enumerate(keys):
                 row = self.model[pid].setdefault(k, {})
@@ -96,7 +105,10 @@ def make_state_machine(factory: Callable[[], DataPlaneClient]) -> type[RuleBased
                 for k, g in zip(keys, got, strict=True):
                     assert bit_exact(g, rows[k][f]), (f, k)
 
-        @rule(part=st.integers(0, 1), keys=st.none() | st.lists(st.sampled_from(_KEYS), min_size=1, max_size=3, unique=True))
+        @rule(
+            part=st.integers(0, 1),
+            keys=st.none() | st.lists(st.sampled_from(_KEYS), min_size=1, max_size=3, unique=True),
+        )
         def clear(self, part: int, keys: list[str] | None) -> None:
             pid = self.parts[part]
             self.client.kv_clear(keys, partition_id=pid)

@@ -12,10 +12,23 @@ __all__ = ["ALL_DTYPES", "bit_exact", "key_lists", "lengths", "object_values", "
 ALL_DTYPES: tuple[torch.dtype, ...] = tuple(
     d
     for d in (
-        torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-        torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
-        getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None),
-        getattr(torch, "uint16", None), getattr(torch, "uint32", None), getattr(torch, "uint64", None),
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+        torch.complex128,
+        getattr(torch, "float8_e4m3fn", None),
+        getattr(torch, "float8_e5m2", None),
+        getattr(torch, "uint16", None),
+        getattr(torch, "uint32", None),
+        getattr(torch, "uint64", None),
     )
     if isinstance(d, torch.dtype)
 )
@@ -48,15 +61,23 @@ def lengths(max_rows: int = 16, max_len: int = 64) -> st.SearchStrategy[list[int
 
 
 def key_lists(min_size: int = 1, max_size: int = 16) -> st.SearchStrategy[list[str]]:
-    return st.lists(st.from_regex(r"[a-z0-9]{1,8}_g[0-9]", fullmatch=True), min_size=min_size, max_size=max_size, unique=True)
+    return st.lists(
+        st.from_regex(r"[a-z0-9]{1,8}_g[0-9]", fullmatch=True), min_size=min_size, max_size=max_size, unique=True
+    )
 
 
 _leaf = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**63), 2**63 - 1), st.floats(allow_nan=False),
-    st.text(max_size=20), st.binary(max_size=20),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**63 - 1),
+    st.floats(allow_nan=False),
+    st.text(max_size=20),
+    st.binary(max_size=20),
 )
 object_values: st.SearchStrategy[Any] = st.recursive(
-    _leaf, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=8
+    _leaf,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=8,
 )
 
 

@@ -1,0 +1,96 @@
+"""KVBatchMeta: invariants, transforms keep rows aligned, serialisation round-trips."""
+
+from __future__ import annotations
+
+import pickle
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dataplane.errors import InvalidArgument, SchemaError
+from dataplane.meta import KVBatchMeta
+
+FAST = settings(max_examples=80, deadline=None, derandomize=True)
+
+
+@st.composite
+def metas(draw: st.DrawFn) -> KVBatchMeta:
+    n = draw(st.integers(0, 30))
+    keys = [f"k{i}" for i in draw(st.permutations(range(n)))]
+    lens = draw(st.lists(st.integers(0, 500), min_size=n, max_size=n))
+    return KVBatchMeta(
+        partition_id="p",
+        keys=keys,
+        fields=["ids", "mask"],
+        sequence_lengths=lens,
+        tags=[{"len": x, "key": k} for k, x in zip(keys, lens, strict=True)],
+        extra_info={"pad": 8},
+    )
+
+
+def _aligned(m: KVBatchMeta) -> None:
+    assert m.tags is not None and m.sequence_lengths is not None
+    for k, n, t in zip(m.keys, m.sequence_lengths, m.tags, strict=True):
+        assert t["key"] == k and t["len"] == n
+
+
+@given(metas(), st.data())
+@FAST
+def test_transforms_keep_rows_aligned(m: KVBatchMeta, data: st.DataObject) -> None:
+    n = len(m)
+    idx = data.draw(st.lists(st.integers(0, max(n - 1, 0)), unique=True, max_size=n)) if n else []
+    perm = data.draw(st.permutations(range(n)))
+    chunks = data.draw(st.integers(1, 6))
+    for out in (m.subset(idx), m.reorder(perm), m.slice(1, n - 1), m.drop(m.keys[: n // 2]), *m.chunk(chunks)):
+        _aligned(out)
+    assert sum(len(c) for c in m.chunk(chunks)) == n
+    assert m.chunk(chunks)[0].concat(*m.chunk(chunks)[1:]).keys == m.keys
+    assert m.reorder(perm).keys == tuple(m.keys[i] for i in perm)
+    _aligned(m.stamp_tags({"w": 1}))
+    assert all(t["w"] == 1 for t in m.stamp_tags({"w": 1}).tags or ())
+
+
+@given(metas())
+@FAST
+def test_serialisation_round_trips(m: KVBatchMeta) -> None:
+    assert KVBatchMeta.from_dict(m.to_dict()) == m
+    assert pickle.loads(pickle.dumps(m)) == m
+    assert KVBatchMeta.from_msgpack(m.to_msgpack()) == m
+    assert KVBatchMeta.from_dict(msgpack.unpackb(msgpack.packb(m.to_dict()))) == m
+
+
+def test_invariants() -> None:
+    with pytest.raises(InvalidArgument, match="unique"):
+        KVBatchMeta(partition_id="p", keys=["a", "a"])
+    with pytest.raises(InvalidArgument, match="sequence_lengths"):
+        KVBatchMeta(partition_id="p", keys=["a"], sequence_lengths=[1, 2])
+    with pytest.raises(InvalidArgument, match="tags"):
+        KVBatchMeta(partition_id="p", keys=["a"], tags=[])
+    with pytest.raises(SchemaError):
+        KVBatchMeta(partition_id="p", keys=[1])  # type: ignore[list-item]
+    with pytest.raises(SchemaError):
+        KVBatchMeta(partition_id="p", keys="ab")
+    with pytest.raises(InvalidArgument):
+        KVBatchMeta(partition_id="", keys=["a"])
+    m = KVBatchMeta(partition_id="p", keys=["a", "b"])
+    with pytest.raises(InvalidArgument):
+        m.reorder([0, 0])
+    with pytest.raises(InvalidArgument):
+        m.drop(["zz"])
+    with pytest.raises(InvalidArgument):
+        m.concat(KVBatchMeta(partition_id="q", keys=["c"]))
+    with pytest.raises(InvalidArgument):
+        m.concat(KVBatchMeta(partition_id="p", keys=["a"]))
+
+
+def test_meta_is_frozen_and_copies_inputs() -> None:
+    tags = [{"r": 1}]
+    m = KVBatchMeta(partition_id="p", keys=["a"], tags=tags)
+    tags[0]["r"] = 2
+    assert m.tags == ({"r": 1},)
+    with pytest.raises(AttributeError):
+        m.keys = ("b",)  # type: ignore[misc]
+    assert m.with_fields(["x"]).with_fields(["y", "x"]).fields == ("x", "y")
+    assert m.select_tags(lambda t: t["r"] > 1).keys == ()

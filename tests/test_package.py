@@ -1,0 +1,103 @@
+"""Packaging-level promises: light import, registry, connect errors, observability, buffer pool."""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dataplane
+from dataplane.bufpool import BufferPool
+from dataplane.errors import BackendUnavailable, InvalidArgument
+from dataplane.observability import CallEvent, ObservedClient
+from dataplane.registry import AdapterSpec
+
+
+def test_import_does_not_import_backends() -> None:
+    code = (
+        "import sys, dataplane; c = dataplane.connect(); c.close(); "
+        "bad = [m for m in ('ray', 'transfer_queue', 'mooncake') if m in sys.modules]; "
+        "assert not bad, bad; print('clean')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "clean" in out.stdout
+
+
+def test_missing_backend_names_the_extra() -> None:
+    spec = AdapterSpec(scheme="x", target="nowhere:connect", requires=("surely_not_installed_pkg",), extra="x-extra")
+    with pytest.raises(BackendUnavailable, match=r"pip install 'dataplane\[x-extra\]'"):
+        spec.load()
+
+
+def test_connect_errors_and_registration() -> None:
+    with pytest.raises(InvalidArgument, match="no adapter"):
+        dataplane.connect("nosuch://")
+    with pytest.raises(InvalidArgument):
+        dataplane.connect("memory")
+    with pytest.raises(InvalidArgument, match="unknown memory"):
+        dataplane.connect("memory://?bogus=1")
+    seen = []
+
+    def fake_connect(url: object, **kw: object) -> dataplane.DataPlaneClient:
+        seen.append(url)
+        return dataplane.connect("memory://")
+
+    dataplane.register_adapter("mine", fake_connect)
+    dataplane.connect("mine://x").close()
+    assert seen == ["mine://x"] and dataplane.available_adapters()["mine"]
+    assert dataplane.available_adapters()["memory"] is True
+
+
+def test_named_memory_store_is_shared_until_last_close() -> None:
+    a = dataplane.connect("memory://shared-test")
+    b = dataplane.connect("memory://shared-test")
+    a.kv_batch_put(["k"], {"x": torch.ones(1)}, partition_id="p")
+    assert b.kv_batch_get(["k"], partition_id="p", select_fields="x")["x"].tolist() == [1.0]
+    a.close()
+    assert "k" in b.kv_list("p")["p"]
+    b.close()
+    c = dataplane.connect("memory://shared-test")
+    assert c.kv_list() == {}
+    c.close()
+
+
+def test_observed_client_events_and_snapshot() -> None:
+    events: list[CallEvent] = []
+    client = ObservedClient(dataplane.connect(), callback=events.append)
+    client.kv_batch_put(["a", "b"], {"x": torch.zeros(2, 8)}, partition_id="p")  # 64 bytes
+    client.kv_batch_put(["a", "b"], {"x": torch.zeros(2, 8)}, partition_id="p")  # replaces, no growth
+    client.kv_batch_put(["a", "b"], {"y": torch.zeros(2, 4)}, partition_id="p")  # adds 32
+    client.kv_batch_get(["a"], partition_id="p", select_fields=["x"])
+    with pytest.raises(KeyError):
+        client.kv_batch_get(["zz"], partition_id="p", select_fields=["x"])
+    snap = client.snapshot()
+    assert snap["bytes_outstanding"] == 96 and snap["bytes_peak"] == 96
+    client.kv_clear(["a"], partition_id="p")
+    assert client.snapshot()["bytes_outstanding"] == 48
+    assert [e.op for e in events][:4] == ["kv_batch_put"] * 3 + ["kv_batch_get"]
+    assert events[3].bytes == 32 and events[3].n_keys == 1 and events[4].status == "KeyNotFound"
+    assert snap["ops"]["kv_batch_get"]["count"] == 2 and snap["ops"]["kv_batch_get"]["errors"] == 1
+    assert snap["ops"]["kv_batch_put"]["p50_s"] > 0
+    client.close()
+
+
+def test_buffer_pool_reuses_slabs_only_after_release() -> None:
+    new: list[int] = []
+    pool = BufferPool(64 << 20, min_bytes=1 << 20, on_new=lambda s: new.append(s.nbytes))
+    a = pool.empty(3 << 20).view(torch.float32)
+    ptr = a.data_ptr()
+    b = pool.empty(3 << 20)
+    assert b.data_ptr() != ptr and len(new) == 2
+    del a
+    gc.collect()
+    c = pool.empty(3 << 20)
+    assert c.data_ptr() == ptr and len(new) == 2 and pool.hits == 1
+    small = pool.empty(100)
+    assert small.numel() == 100 and len(new) == 2
+    big = pool.empty(100 << 20)  # over the budget: a plain allocation
+    assert big.numel() == 100 << 20 and len(new) == 2
+    pool.close()
