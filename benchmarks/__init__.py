@@ -1,0 +1,1 @@
+"""Benchmarks for dataplane; run from a checkout, e.g. ``python -m benchmarks.put_get``."""

@@ -1,0 +1,333 @@
+"""``python -m benchmarks.put_get``: put/get throughput of every installed backend beside its ceilings.
+
+Every figure is measured in the same run as the ceilings it is compared with (memcpy into a
+preallocated buffer; the backend's raw API where one is wired in), so the ratios survive a noisy
+machine. Medians of ``--repeat`` timed runs after one warm-up, with min and max.
+
+    python -m benchmarks.put_get                      # every installed backend, default grid
+    python -m benchmarks.put_get --quick              # < 30 s smoke run (what CI runs)
+    python -m benchmarks.put_get --backend memory --sizes 128 --fields 1,32 --json out.json --plot out.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+import dataplane
+from benchmarks.workload import Batch, flat_views, human_bytes, make_batch, median
+
+SCHEMA_VERSION = 1
+MB = 1 << 20
+
+
+@dataclass
+class Timing:
+    median_s: float
+    min_s: float
+    max_s: float
+
+    @classmethod
+    def of(cls, xs: list[float]) -> Timing:
+        return cls(median_s=median(xs), min_s=min(xs), max_s=max(xs))
+
+
+@dataclass
+class CaseResult:
+    backend: str
+    size_mb: int
+    n_fields: int
+    layout: str
+    readers: int
+    payload_bytes: int
+    padded_bytes: int
+    put: Timing
+    get: Timing
+    put_gbps: float
+    get_gbps: float
+    memcpy_gbps: float
+    put_vs_memcpy: float
+    get_vs_memcpy: float
+    raw_put_gbps: float | None = None
+    raw_get_gbps: float | None = None
+    put_vs_raw: float | None = None
+    get_vs_raw: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class BenchBackend:
+    """One backend in the benchmark: how to open a client, and optionally its raw API.
+
+    ``raw`` receives the batch and the repeat count and returns (put seconds, get seconds) lists
+    measured through the backend's own API, without dataplane in between.
+    """
+
+    name: str
+    url: str
+    requires: tuple[str, ...] = ()
+    options: dict[str, Any] = field(default_factory=dict)
+    raw: Callable[[Batch, int], tuple[list[float], list[float]]] | None = None
+
+    def missing(self) -> list[str]:
+        import importlib.util
+
+        return [m for m in self.requires if importlib.util.find_spec(m) is None]
+
+
+def _backends() -> list[BenchBackend]:
+    out = [BenchBackend(name="memory", url="memory://")]
+    try:
+        from benchmarks import backends as extra  # grown by the adapter issues
+    except ImportError:
+        return out
+    return out + list(extra.BACKENDS)
+
+
+def memcpy_seconds(batch: Batch, repeat: int) -> list[float]:
+    """Copy the batch's bytes into one preallocated buffer: the ceiling of any in-host data path."""
+    views = flat_views(batch)
+    dst = torch.empty(sum(v.numel() for v in views), dtype=torch.uint8)
+    times = []
+    for i in range(repeat + 1):
+        t0 = time.perf_counter()
+        at = 0
+        for v in views:
+            dst[at : at + v.numel()].copy_(v)
+            at += v.numel()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def run_case(client: dataplane.DataPlaneClient, batch: Batch, repeat: int, layout: str) -> tuple[list[float], list[float]]:
+    names = list(batch.fields)
+    puts, gets = [], []
+    for i in range(repeat + 1):
+        pid = f"bench-{os.getpid()}-{i}"
+        t0 = time.perf_counter()
+        client.kv_batch_put(batch.keys, batch.fields, partition_id=pid)
+        t1 = time.perf_counter()
+        out = client.kv_batch_get(batch.keys, partition_id=pid, select_fields=names, layout="jagged")
+        t2 = time.perf_counter()
+        if out.batch_size[0] != len(batch.keys):
+            raise RuntimeError("benchmark get returned the wrong number of rows")
+        del out
+        client.kv_clear(partition_id=pid)
+        if i:  # the first round is the warm-up
+            puts.append(t1 - t0)
+            gets.append(t2 - t1)
+    return puts, gets
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "dataplane": dataplane.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
+    try:
+        with open("/proc/meminfo") as f:
+            info["mem_total_gib"] = round(int(f.readline().split()[1]) / (1 << 20), 1)
+    except OSError:
+        pass
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("tensordict", "transferqueue", "ray", "mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine"):
+        try:
+            info[dist] = version(dist)
+        except PackageNotFoundError:
+            pass
+    return info
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.bar: Any = None
+        self.total, self.done, self.enabled = total, 0, enabled
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, unit="case", file=sys.stderr, leave=False)
+            except ImportError:
+                pass
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.set_description(label)
+            self.bar.update(1)
+        elif self.enabled:
+            print(f"[{self.done}/{self.total}] {label}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _grid(args: argparse.Namespace) -> Iterator[tuple[int, int, str]]:
+    for size in args.sizes:
+        for n_fields in args.fields:
+            for layout in args.layouts:
+                yield size, n_fields, layout
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    chosen = [b for b in _backends() if args.backend in (None, "all") or b.name in args.backend]
+    installed, skipped = [], {}
+    for b in chosen:
+        missing = b.missing()
+        (skipped.__setitem__(b.name, f"not installed: {', '.join(missing)}") if missing else installed.append(b))
+    cases = list(_grid(args))
+    progress = _Progress(len(cases) * len(installed), enabled=not args.no_progress)
+    results: list[CaseResult] = []
+    ceilings: dict[tuple[int, int, str], float] = {}
+    for backend in installed:
+        try:
+            client = dataplane.connect(backend.url, **backend.options)
+        except Exception as e:  # report and go on with the other backends
+            skipped[backend.name] = f"failed to start: {type(e).__name__}: {e}"
+            continue
+        try:
+            for size, n_fields, layout in cases:
+                batch = make_batch(size * MB, n_fields, layout=layout, objects=args.objects)  # type: ignore[arg-type]
+                if (size, n_fields, layout) not in ceilings:
+                    ceilings[(size, n_fields, layout)] = batch.payload_bytes / median(memcpy_seconds(batch, args.repeat))
+                memcpy = ceilings[(size, n_fields, layout)]
+                puts, gets = run_case(client, batch, args.repeat, layout)
+                put_gbps = batch.payload_bytes / median(puts) / 1e9
+                get_gbps = batch.payload_bytes / median(gets) / 1e9
+                res = CaseResult(
+                    backend=backend.name, size_mb=size, n_fields=n_fields, layout=layout, readers=0,
+                    payload_bytes=batch.payload_bytes, padded_bytes=batch.padded_bytes,
+                    put=Timing.of(puts), get=Timing.of(gets), put_gbps=put_gbps, get_gbps=get_gbps,
+                    memcpy_gbps=memcpy / 1e9, put_vs_memcpy=put_gbps / (memcpy / 1e9), get_vs_memcpy=get_gbps / (memcpy / 1e9),
+                )  # fmt: skip
+                if backend.raw is not None:
+                    raw_puts, raw_gets = backend.raw(batch, args.repeat)
+                    res.raw_put_gbps = batch.payload_bytes / median(raw_puts) / 1e9
+                    res.raw_get_gbps = batch.payload_bytes / median(raw_gets) / 1e9
+                    res.put_vs_raw = put_gbps / res.raw_put_gbps
+                    res.get_vs_raw = get_gbps / res.raw_get_gbps
+                results.append(res)
+                del batch
+                gc.collect()
+                progress.step(f"{backend.name} {size}MB x{n_fields} {layout}")
+        finally:
+            client.close()
+    progress.close()
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "created_unix": time.time(),
+        "machine": machine_info(),
+        "config": {"sizes_mb": args.sizes, "fields": args.fields, "layouts": args.layouts, "repeat": args.repeat},
+        "backends": {b.name: ("ok" if b.name not in skipped else skipped[b.name]) for b in chosen},
+        "results": [asdict(r) for r in results],
+    }
+
+
+def format_table(report: dict[str, Any]) -> str:
+    head = ("backend", "payload", "fields", "layout", "put GB/s", "get GB/s", "put ms", "get ms", "put/memcpy", "get/memcpy", "put/raw", "get/raw")
+    rows = [head]
+    for r in report["results"]:
+        rows.append((
+            r["backend"], human_bytes(r["payload_bytes"]), str(r["n_fields"]), r["layout"],
+            f"{r['put_gbps']:.2f}", f"{r['get_gbps']:.2f}",
+            f"{r['put']['median_s'] * 1e3:.1f}", f"{r['get']['median_s'] * 1e3:.1f}",
+            f"{r['put_vs_memcpy']:.2f}", f"{r['get_vs_memcpy']:.2f}",
+            "-" if r["put_vs_raw"] is None else f"{r['put_vs_raw']:.2f}",
+            "-" if r["get_vs_raw"] is None else f"{r['get_vs_raw']:.2f}",
+        ))  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    for name, status in report["backends"].items():
+        if status != "ok":
+            lines.append(f"skipped {name}: {status}")
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, op in zip(axes, ("put", "get"), strict=True):
+        series: dict[str, list[tuple[float, float]]] = {}
+        for r in report["results"]:
+            if r["layout"] == "jagged" and r["n_fields"] == max(report["config"]["fields"]):
+                series.setdefault(r["backend"], []).append((r["payload_bytes"] / 1e6, r[f"{op}_gbps"]))
+                series.setdefault("memcpy ceiling", []).append((r["payload_bytes"] / 1e6, r["memcpy_gbps"]))
+        for name, pts in series.items():
+            pts = sorted(set(pts))
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name, linestyle="--" if "memcpy" in name else "-")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("payload (MB)")
+        ax.set_title(f"{op} throughput")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("GB/s")
+    axes[1].legend(fontsize=8)
+    m = report["machine"]
+    fig.suptitle(f"dataplane put/get, {m.get('cpu_count')} CPUs, torch {m.get('torch')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _csv_ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.put_get", description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", type=lambda s: s.split(","), default=None, help="comma list of backends (default: all installed)")
+    p.add_argument("--sizes", type=_csv_ints, default=None, help="payload sizes in MB (default 1,16,128)")
+    p.add_argument("--fields", type=_csv_ints, default=None, help="field counts (default 1,8,32)")
+    p.add_argument("--layouts", type=lambda s: s.split(","), default=None, help="wire layouts: jagged,padded (default jagged)")
+    p.add_argument("--repeat", type=int, default=None, help="timed repetitions after one warm-up (default 5)")
+    p.add_argument("--objects", action="store_true", help="add an object column (chat messages) to every batch")
+    p.add_argument("--quick", action="store_true", help="small grid, < 30 s (CI smoke run)")
+    p.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    quick = args.quick
+    args.sizes = args.sizes or ([1, 16] if quick else [1, 16, 128])
+    args.fields = args.fields or ([1, 8] if quick else [1, 8, 32])
+    args.layouts = args.layouts or ["jagged"]
+    args.repeat = args.repeat or (3 if quick else 5)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    report = run(args)
+    print(format_table(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(report, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
