@@ -39,7 +39,9 @@ MicrobatchOrder = Literal["planned", "largest_first"]
 MissingLengths = Literal["raise", "count_rows"]
 T = TypeVar("T")
 
-# Karmarkar-Karp is skipped when greedy is provably within this fraction of the optimum.
+# Karmarkar-Karp runs on at most _KK_ROWS longest rows (the rest are placed greedily after it), and
+# on bigger batches only when greedy is not already provably within _GOOD_ENOUGH of the optimum.
+_KK_ROWS = 1024
 _GOOD_ENOUGH = 1e-3
 
 
@@ -52,7 +54,7 @@ class ShardPlan:
         microbatches: per rank, lists of row positions *within the shard*; ``None`` without a budget.
         rank_tokens: tokens per rank (rows per rank when lengths were counted as rows).
         pad_to_length: the global pad length stamped on every shard (``None`` without lengths).
-        algorithm: the partition that was kept, ``"greedy"`` or ``"karmarkar_karp"``.
+        algorithm: the partition kept: ``"greedy"``, ``"greedy_rounds"`` (equal rows) or ``"karmarkar_karp"``.
     """
 
     rows: tuple[tuple[int, ...], ...]
@@ -89,16 +91,18 @@ def _greedy(values: list[int], order: list[int], k: int, equal: bool) -> list[in
     """Sorted greedy (LPT): each row, longest first, goes to the least-loaded group.
 
     With ``equal`` a group takes rows only while it is below its quota (``n // k``, and ``n % k``
-    groups one more), so counts differ by at most one. Heap keys are ``load * k + group``.
+    groups one more), so counts differ by at most one. Heap keys encode ``(load, rows, group)`` as
+    one int (ties go to the group with fewer rows, which spreads zero-length rows).
     """
     n = len(values)
     labels = [0] * n
     heap = list(range(k))
+    step = n + 1
     if not equal:
         for i in order:
             key = heap[0]
             labels[i] = key % k
-            heapq.heapreplace(heap, key + values[i] * k)
+            heapq.heapreplace(heap, key + (values[i] * step + 1) * k)
         return labels
     quota, extra = divmod(n, k)
     counts = [0] * k
@@ -113,7 +117,7 @@ def _greedy(values: list[int], order: list[int], k: int, equal: bool) -> list[in
         labels[i] = g
         counts[g] = c + 1
         extra -= c == quota
-        heapq.heapreplace(heap, key + values[i] * k)
+        heapq.heapreplace(heap, key + (values[i] * step + 1) * k)
     return labels
 
 
@@ -123,7 +127,6 @@ def _greedy_rounds(values: list[int], order: list[int], k: int) -> list[int]:
     In each round the spread between groups grows by at most the round's own spread, so
     ``max - min <= longest row``: the bound :func:`shard_meta_for_dp` states for ``equal_rows``.
     """
-    labels = [0] * len(values)
     loads = np.zeros(k, dtype=np.int64)
     lens = np.asarray(values, dtype=np.int64)
     idx = np.asarray(order, dtype=np.int64)
@@ -133,26 +136,23 @@ def _greedy_rounds(values: list[int], order: list[int], k: int) -> list[int]:
         targets = np.argsort(loads, kind="stable")[: chunk.size]
         out[chunk] = targets
         loads[targets] += lens[chunk]
-    labels[:] = out.tolist()
+    labels: list[int] = out.tolist()
     return labels
 
 
-def _karmarkar_karp(values: list[int], order: list[int], k: int, equal: bool) -> list[int]:
-    """Multi-way largest differencing, with partial partitions kept sparse (zero sums implicit).
+def _karmarkar_karp(values: list[int], order: list[int], k: int, head: int) -> list[int]:
+    """Multi-way largest differencing on the ``head`` longest rows; the rest then go greedily.
 
-    A partial partition is a list of ``(sum, slot)`` sorted descending; a slot id below ``n`` is a
-    row, above it a union of two slots. Merging the two partitions with the largest spread pairs the
-    heaviest slots of one with the lightest of the other. With ``equal`` the starting partitions are
-    rounds of ``k`` sorted rows (one per slot), so every group ends with the same count (+-1).
+    A partial partition is a list of ``(sum, slot)`` sorted descending, kept sparse (zero sums
+    implicit); a slot id below ``n`` is a row, above it a union of two slots. Merging the two
+    partitions with the largest spread pairs the heaviest slots of one with the lightest of the
+    other. Rows past ``head`` (the short tail of a big batch, where KK costs most and gains least)
+    go longest first onto the least-loaded group.
     """
     n = len(values)
-    starts = [order[s : s + k] for s in range(0, n, k)] if equal else [[i] for i in order]
-    parts: list[list[tuple[int, int]]] = []
-    heap: list[tuple[int, int]] = []
-    for members in starts:
-        part = [(values[i], i) for i in members]
-        heap.append((part[-1][0] - part[0][0] if len(part) == k else -part[0][0], len(parts)))
-        parts.append(part)
+    top, tail = order[:head], order[head:]
+    parts: list[list[tuple[int, int]]] = [[(values[i], i)] for i in top]
+    heap = [(-values[i], j) for j, i in enumerate(top)]
     heapq.heapify(heap)
     left: list[int] = []
     right: list[int] = []
@@ -169,14 +169,56 @@ def _karmarkar_karp(values: list[int], order: list[int], k: int, equal: bool) ->
         heapq.heappush(heap, (merged[-1][0] - merged[0][0] if len(merged) == k else -merged[0][0], len(parts)))
         parts.append(merged)
     labels = [0] * n
-    for group, (_, slot) in enumerate(parts[heap[0][1]] if heap else []):
+    loads, counts = [0] * k, [0] * k
+    for group, (total, slot) in enumerate(parts[heap[0][1]] if heap else []):
+        loads[group] = total
         stack = [slot]
         while stack:
             s = stack.pop()
             if s < n:
                 labels[s] = group
+                counts[group] += 1
             else:
                 stack += (left[s - n], right[s - n])
+    step = n + 1
+    keys = [(loads[g] * step + counts[g]) * k + g for g in range(k)]
+    heapq.heapify(keys)
+    for i in tail:
+        key = keys[0]
+        labels[i] = key % k
+        heapq.heapreplace(keys, key + (values[i] * step + 1) * k)
+    return labels
+
+
+def _karmarkar_karp_equal(values: list[int], order: list[int], k: int) -> list[int]:
+    """Largest differencing that starts from rounds of ``k`` sorted rows, one per slot, so every
+    group ends with the same count (+-1; the last round is padded with zero-length dummies)."""
+    n = len(values)
+    rounds = -(-n // k)
+    ids = np.full(rounds * k, -1, dtype=np.int64)  # -1: dummy (writes to it land in a spare slot)
+    ids[:n] = order
+    sums = np.where(ids >= 0, np.asarray(values, dtype=np.int64)[ids], 0).reshape(rounds, k)
+    parts = list(zip(sums, ids.reshape(rounds, k), strict=True))
+    heap = [(int(s[-1] - s[0]), j) for j, s in enumerate(sums)]
+    heapq.heapify(heap)
+    merges: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    nxt = n
+    while len(heap) > 1:
+        (sa, ia), (sb, ib) = parts[heapq.heappop(heap)[1]], parts[heapq.heappop(heap)[1]]
+        merged = sa + sb[::-1]
+        new = np.arange(nxt, nxt + k)
+        nxt += k
+        merges.append((new, ia, ib[::-1]))
+        perm = np.argsort(-merged, kind="stable")
+        heapq.heappush(heap, (int(merged[perm[-1]] - merged[perm[0]]), len(parts)))
+        parts.append((merged[perm], new[perm]))
+    group = np.zeros(nxt + 1, dtype=np.int64)
+    if heap:
+        group[parts[heap[0][1]][1]] = np.arange(k)
+    for new, ia, ib in reversed(merges):
+        group[ia] = group[new]
+        group[ib] = group[new]
+    labels: list[int] = group[:n].tolist()
     return labels
 
 
@@ -201,14 +243,18 @@ def _partition(values: list[int], k: int, equal: bool, algorithm: Algorithm) -> 
 
     best = min(candidates, key=score) if candidates else None
     if algorithm == "karmarkar_karp" or (
-        algorithm == "auto" and best is not None and score(best)[0] > _lower_bound(lens[order_np], k) * (1 + _GOOD_ENOUGH)
+        algorithm == "auto"
+        and best is not None
+        and (n <= _KK_ROWS or score(best)[0] > _lower_bound(lens[order_np], k) * (1 + _GOOD_ENOUGH))
     ):
-        candidates.append(("karmarkar_karp", _karmarkar_karp(values, order, k, equal)))
+        kk = _karmarkar_karp_equal(values, order, k) if equal else _karmarkar_karp(values, order, k, _KK_ROWS)
+        candidates.append(("karmarkar_karp", kk))
     name, labels = min(candidates, key=score)  # ties keep the earlier candidate
     groups: list[list[int]] = [[] for _ in range(k)]
     for i in order:
         groups[labels[i]].append(i)
-    ranked = sorted(range(k), key=lambda g: (-len(groups[g]), -sum(values[i] for i in groups[g]), min(groups[g], default=n)))
+    loads = np.bincount(np.asarray(labels, dtype=np.int64), weights=lens, minlength=k).tolist() if n else [0] * k
+    ranked = sorted(range(k), key=lambda g: (-len(groups[g]), -loads[g], min(groups[g], default=n)))
     return [groups[g] for g in ranked], name
 
 
@@ -230,14 +276,18 @@ def _best_fit_decreasing(rows: list[int], values: list[int], budget: int) -> lis
 
 
 def _lpt_bins(rows: list[int], values: list[int], m: int) -> tuple[list[list[int]], int]:
-    """``rows`` (longest first) into ``m`` bins of even tokens; returns the bins and the peak load."""
+    """``rows`` (longest first) into ``m`` bins of even tokens; returns the bins and the peak load.
+
+    Ties go to the bin with fewer rows, so no bin stays empty while another holds two rows.
+    """
     bins: list[list[int]] = [[] for _ in range(m)]
-    heap = list(range(m))  # load * m + bin
+    heap = list(range(m))  # (load, rows, bin) encoded as one int
+    step = len(rows) + 1
     for i in rows:
         key = heap[0]
         bins[key % m].append(i)
-        heapq.heapreplace(heap, key + values[i] * m)
-    return bins, max(heap) // m
+        heapq.heapreplace(heap, key + (values[i] * step + 1) * m)
+    return bins, max(heap) // m // step
 
 
 def _split_to(bins: list[list[int]], values: list[int], m: int) -> list[list[int]]:
@@ -256,28 +306,33 @@ def _split_to(bins: list[list[int]], values: list[int], m: int) -> list[list[int
     return bins + [[] for _ in range(m - len(bins))]
 
 
-class _RankPacking:
-    """One rank's rows under a budget: a known valid packing and the bin count it needs."""
+def _pack_rank(rows: list[int], values: list[int], budget: int, m: int) -> list[list[int]] | int:
+    """Exactly ``m`` bins of at most ``budget`` tokens (a longer row alone), or the count it needs.
 
-    def __init__(self, rows: list[int], values: list[int], budget: int) -> None:
-        self.values, self.budget = values, budget
-        self.big = [[i] for i in rows if values[i] > budget]
-        self.rest = [i for i in rows if values[i] <= budget]
-        tokens = sum(values[i] for i in self.rest)
-        fewest = max(-(-tokens // budget), 1 if self.rest else 0)
-        bins, peak = _lpt_bins(self.rest, values, fewest)
-        self.valid = bins if peak <= budget else _best_fit_decreasing(self.rest, values, budget)
-        self.needed = len(self.big) + len(self.valid)
+    Oversized rows get a bin each; the rest go longest-first into the least-loaded bin (even
+    microbatches); if that breaks the budget, best-fit decreasing is split up to ``m``. A bin is
+    empty only when the rank has fewer than ``m`` rows.
+    """
+    big = [[i] for i in rows if values[i] > budget]
+    rest = [i for i in rows if values[i] <= budget]
+    open_bins = m - len(big)
+    if open_bins < (1 if rest else 0):
+        return len(big) + (1 if rest else 0)
+    if open_bins == 0:
+        return big
+    bins, peak = _lpt_bins(rest, values, open_bins)
+    if peak > budget:
+        fitted = _best_fit_decreasing(rest, values, budget)
+        if len(fitted) > open_bins:
+            return len(big) + len(fitted)
+        bins = _split_to(fitted, values, open_bins)
+    return big + bins
 
-    def into(self, m: int) -> list[list[int]]:
-        """Exactly ``m >= needed`` bins, as even as the budget allows; empty only if rows run out."""
-        open_bins = m - len(self.big)
-        if open_bins == len(self.valid):
-            return self.big + self.valid
-        bins, peak = _lpt_bins(self.rest, self.values, open_bins)
-        if peak > self.budget:
-            bins = _split_to(self.valid, self.values, open_bins)
-        return self.big + bins
+
+def _fewest_bins(rows: list[int], values: list[int], budget: int) -> int:
+    big = sum(1 for i in rows if values[i] > budget)
+    tokens = sum(values[i] for i in rows if values[i] <= budget)
+    return big + max(-(-tokens // budget), 1 if len(rows) > big else 0)
 
 
 def _fill_short_ranks(ranks: list[list[int]], values: list[int], m: int) -> None:
@@ -290,14 +345,13 @@ def _fill_short_ranks(ranks: list[list[int]], values: list[int], m: int) -> None
         while len(target) < m:
             donors = [g for g in range(len(ranks)) if len(ranks[g]) > m]
             if not donors:
-                return
+                break
             src = max(donors, key=lambda g: (loads[g], -g))
             row = ranks[src].pop()  # rows are kept longest first: this is the shortest
             loads[src] -= values[row]
             loads[dst] += values[row]
             target.append(row)
-    for r in ranks:
-        r.sort(key=lambda i: (-values[i], i))
+        target.sort(key=lambda i: (-values[i], i))
 
 
 def _plan_microbatches(
@@ -305,20 +359,26 @@ def _plan_microbatches(
 ) -> list[list[list[int]]]:
     """Every rank's bins (row positions in the batch), the same count ``M`` on every rank."""
     n, k = len(values), len(ranks)
-    packs = [_RankPacking(r, values, budget) for r in ranks]
-    m = max([1 if n else 0, *(p.needed for p in packs)])
-    while not equal_rows and any(len(r) < m for r in ranks) and any(len(r) > m for r in ranks):
-        _fill_short_ranks(ranks, values, m)
-        packs = [_RankPacking(r, values, budget) for r in ranks]
-        m = max([m, *(p.needed for p in packs)])  # a rank's needs can change: check again
+    m = 1 if n else 0
+    while True:
+        m = max([m, *(_fewest_bins(r, values, budget) for r in ranks)])
+        if not equal_rows and any(len(r) < m for r in ranks) and any(len(r) > m for r in ranks):
+            _fill_short_ranks(ranks, values, m)
+            continue
+        packed = [_pack_rank(r, values, budget, m) for r in ranks]
+        need = max([m, *(p for p in packed if isinstance(p, int))])
+        if need == m:
+            break
+        m = need  # best-fit needed more bins on some rank: every rank gets that many
     if strict and n < m * k:
         raise InvalidArgument(
             f"{n} rows cannot fill {m} microbatches on each of {k} ranks without empty microbatches; "
             "use a smaller dp_size or no token budget, or pass strict=False to allow empty microbatches"
         )
     out = []
-    for pack in packs:
-        bins = [sorted(b) for b in pack.into(m)]
+    for pack in packed:
+        assert not isinstance(pack, int)
+        bins = [sorted(b) for b in pack]
         if order == "largest_first":
             bins.sort(key=lambda b: (-sum(values[i] for i in b), b[0] if b else n))
         else:
@@ -409,7 +469,7 @@ def shard_meta_for_dp(
     *,
     max_tokens_per_microbatch: int | None = None,
     equal_rows: bool = False,
-    pad_to_multiple: int = 1,
+    pad_to_multiple: int | None = None,
     sequence_length_round: int = 1,
     strict: bool = False,
     microbatch_order: MicrobatchOrder = "planned",
@@ -419,9 +479,12 @@ def shard_meta_for_dp(
     """Split ``meta`` into one meta per DP rank, balanced by tokens, from ``meta.sequence_lengths`` only.
 
     Balance: sorted greedy (LPT) and Karmarkar-Karp both run and the one with the smaller
-    max-rank tokens is kept (KK is skipped when greedy is already within 0.1% of a lower bound on
-    the optimum). Stated bound: max-rank tokens <= mean-rank tokens + the longest row; without
-    ``equal_rows`` also <= (4/3 - 1/(3*dp_size)) * optimum (Graham's LPT bound).
+    max-rank tokens is kept. Above 1024 rows KK runs on the 1024 longest rows and places the rest
+    greedily after them, and only when greedy is not already within 0.1% of a lower bound on the
+    optimum. With ``equal_rows`` greedy takes rows up to a per-rank quota, and a round-robin greedy
+    and a round-based KK compete with it. Stated bound, without a budget: max-rank tokens <= mean-rank
+    tokens + the longest row; without ``equal_rows`` also <= (4/3 - 1/(3*dp_size)) * optimum
+    (Graham's bound for LPT, which the kept partition never exceeds).
 
     ``equal_rows=True`` gives every rank the same row count when ``dp_size`` divides the batch
     (GRPO); otherwise counts differ by at most one, the first ``len(meta) % dp_size`` ranks
@@ -446,7 +509,8 @@ def shard_meta_for_dp(
         dp_size: number of data-parallel ranks.
         max_tokens_per_microbatch: token budget per microbatch, or None for no microbatch plan.
         equal_rows: same row count on every rank (+-1 when the batch does not divide).
-        pad_to_multiple: pad length multiple the model needs (TP / CP divisibility).
+        pad_to_multiple: pad length multiple the model needs (TP / CP divisibility); None takes
+            ``meta.extra_info["pad_to_multiple"]`` (which ``first_write`` records), else 1.
         sequence_length_round: an extra rounding of the pad length (kernel-friendly widths).
         strict: raise ``InvalidArgument`` instead of relaxing a guarantee (see above).
         microbatch_order: ``"planned"`` (by first row in input order) or ``"largest_first"`` (most
@@ -476,6 +540,8 @@ def shard_meta_for_dp(
                 "or pass missing_lengths='count_rows' to balance row counts"
             )
         lengths = [1] * meta.size
+    if pad_to_multiple is None:
+        pad_to_multiple = int(meta.extra_info.get("pad_to_multiple", 1))
     plan = plan_shards(
         lengths,
         dp_size,
@@ -497,7 +563,7 @@ def shard_meta_for_dp(
             original_indices=list(rows),
             microbatches=None if plan.microbatches is None else [list(b) for b in plan.microbatches[r]],
             pad_to_length=None if meta.sequence_lengths is None else plan.pad_to_length,
-            pad_to_multiple=math.lcm(pad_to_multiple, sequence_length_round),
+            pad_to_multiple=math.lcm(pad_to_multiple, sequence_length_round),  # checked by plan_shards
         )
         for r, rows in enumerate(plan.rows)
     ]
@@ -520,46 +586,47 @@ def _indices_of(shards: Sequence[KVBatchMeta]) -> list[list[int]]:
     return out
 
 
+def _kind(value: object) -> str | None:
+    if isinstance(value, TensorDictBase):
+        return "tensordict"
+    if isinstance(value, torch.Tensor):
+        return "nested" if value.is_nested else "tensor"
+    if isinstance(value, Mapping):
+        return "mapping"
+    return "list" if isinstance(value, (list, tuple)) else None
+
+
 def _restore(parts: Sequence[Any], sizes: list[int], inverse: torch.Tensor, where: str) -> Any:
-    first = parts[0]
-    kind = (
-        "tensordict"
-        if isinstance(first, TensorDictBase)
-        else "tensor"
-        if isinstance(first, torch.Tensor)
-        else "mapping"
-        if isinstance(first, Mapping)
-        else "list"
-        if isinstance(first, (list, tuple))
-        else None
-    )
+    kind = _kind(parts[0])
     if kind is None:
         raise SchemaError(
-            f"{where}: cannot restore {type(first).__name__}; give tensors, TensorDicts, lists or dicts of them"
+            f"{where}: cannot restore {type(parts[0]).__name__}; give tensors, TensorDicts, lists or dicts"
         )
     for r, (p, n) in enumerate(zip(parts, sizes, strict=True)):
-        if kind == "mapping":
-            if not isinstance(p, Mapping) or set(p) != set(first):
-                raise SchemaError(
-                    f"{where}: rank {r} gives keys {sorted(p) if isinstance(p, Mapping) else type(p).__name__}, rank 0 {sorted(first)}"
-                )
-            continue
-        if not isinstance(p, type(first)) and not (kind == "list" and isinstance(p, (list, tuple))):
+        if _kind(p) != kind:
             raise SchemaError(
-                f"{where}: rank {r} gives {type(p).__name__}, rank 0 {type(first).__name__}; give one type"
+                f"{where}: rank {r} gives {type(p).__name__}, rank 0 {type(parts[0]).__name__}; give one type"
             )
-        rows = p.batch_size[0] if kind == "tensordict" else p.size(0) if kind == "tensor" else len(p)
+        if kind == "mapping":
+            if set(p) != set(parts[0]):
+                raise SchemaError(f"{where}: rank {r} gives keys {sorted(p)}, rank 0 {sorted(parts[0])}")
+            continue
+        rows = p.batch_size[0] if kind == "tensordict" else len(p)
         if rows != n:
-            raise InvalidArgument(
-                f"{where}: rank {r} returned {rows} rows but its shard has {n}; return one row per shard row"
-            )
+            raise InvalidArgument(f"{where}: rank {r} returned {rows} rows but its shard has {n}; return one per row")
     if kind == "mapping":
-        return {key: _restore([p[key] for p in parts], sizes, inverse, f"{where}[{key!r}]") for key in first}
-    if kind == "list" or (kind == "tensor" and first.is_nested):
-        rows = [row for p in parts for row in (p.unbind() if isinstance(p, torch.Tensor) else p)]
+        return {key: _restore([p[key] for p in parts], sizes, inverse, f"{where}[{key!r}]") for key in parts[0]}
+    if kind in ("list", "nested"):
+        rows = [row for p in parts for row in (p.unbind() if kind == "nested" else p)]
         ordered = [rows[i] for i in inverse.tolist()]
-        return ordered if kind == "list" else torch.nested.as_nested_tensor(ordered, layout=first.layout)
-    return torch.cat(list(parts))[inverse.to(first.device)]
+        return ordered if kind == "list" else torch.nested.as_nested_tensor(ordered, layout=parts[0].layout)
+    try:
+        return torch.cat(list(parts))[inverse.to(parts[0].device)]
+    except RuntimeError as e:
+        raise SchemaError(
+            f"{where}: per-rank results do not stack ({e}); pad every rank to the shards' pad_to_length "
+            "so all share one shape past the batch dim"
+        ) from None
 
 
 def restore_order(per_rank_results: Sequence[T], shards: Sequence[KVBatchMeta]) -> T:
