@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.put_get import BenchBackend
+from benchmarks.base import BenchBackend
 
 BACKENDS: list[BenchBackend] = []
 

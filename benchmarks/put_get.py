@@ -18,13 +18,14 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
 import dataplane
+from benchmarks.base import BenchBackend
 from benchmarks.workload import Batch, flat_views, human_bytes, make_batch, median
 
 SCHEMA_VERSION = 1
@@ -65,26 +66,6 @@ class CaseResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
-class BenchBackend:
-    """One backend in the benchmark: how to open a client, and optionally its raw API.
-
-    ``raw`` receives the batch and the repeat count and returns (put seconds, get seconds) lists
-    measured through the backend's own API, without dataplane in between.
-    """
-
-    name: str
-    url: str
-    requires: tuple[str, ...] = ()
-    options: dict[str, Any] = field(default_factory=dict)
-    raw: Callable[[Batch, int], tuple[list[float], list[float]]] | None = None
-
-    def missing(self) -> list[str]:
-        import importlib.util
-
-        return [m for m in self.requires if importlib.util.find_spec(m) is None]
-
-
 def _backends() -> list[BenchBackend]:
     out = [BenchBackend(name="memory", url="memory://")]
     try:
@@ -110,7 +91,9 @@ def memcpy_seconds(batch: Batch, repeat: int) -> list[float]:
     return times
 
 
-def run_case(client: dataplane.DataPlaneClient, batch: Batch, repeat: int, layout: str) -> tuple[list[float], list[float]]:
+def run_case(
+    client: dataplane.DataPlaneClient, batch: Batch, repeat: int, layout: str
+) -> tuple[list[float], list[float]]:
     names = list(batch.fields)
     puts, gets = [], []
     for i in range(repeat + 1):
@@ -206,7 +189,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for size, n_fields, layout in cases:
                 batch = make_batch(size * MB, n_fields, layout=layout, objects=args.objects)  # type: ignore[arg-type]
                 if (size, n_fields, layout) not in ceilings:
-                    ceilings[(size, n_fields, layout)] = batch.payload_bytes / median(memcpy_seconds(batch, args.repeat))
+                    ceilings[(size, n_fields, layout)] = batch.payload_bytes / median(
+                        memcpy_seconds(batch, args.repeat)
+                    )
                 memcpy = ceilings[(size, n_fields, layout)]
                 puts, gets = run_case(client, batch, args.repeat, layout)
                 put_gbps = batch.payload_bytes / median(puts) / 1e9
@@ -241,7 +226,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    head = ("backend", "payload", "fields", "layout", "put GB/s", "get GB/s", "put ms", "get ms", "put/memcpy", "get/memcpy", "put/raw", "get/raw")
+    head = (
+        "backend",
+        "payload",
+        "fields",
+        "layout",
+        "put GB/s",
+        "get GB/s",
+        "put ms",
+        "get ms",
+        "put/memcpy",
+        "get/memcpy",
+        "put/raw",
+        "get/raw",
+    )
     rows = [head]
     for r in report["results"]:
         rows.append((
@@ -276,7 +274,13 @@ def plot(report: dict[str, Any], path: str) -> None:
                 series.setdefault("memcpy ceiling", []).append((r["payload_bytes"] / 1e6, r["memcpy_gbps"]))
         for name, pts in series.items():
             pts = sorted(set(pts))
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name, linestyle="--" if "memcpy" in name else "-")
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                marker="o",
+                label=name,
+                linestyle="--" if "memcpy" in name else "-",
+            )
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("payload (MB)")
@@ -296,10 +300,14 @@ def _csv_ints(s: str) -> list[int]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.put_get", description=__doc__.split("\n\n")[0])
-    p.add_argument("--backend", type=lambda s: s.split(","), default=None, help="comma list of backends (default: all installed)")
+    p.add_argument(
+        "--backend", type=lambda s: s.split(","), default=None, help="comma list of backends (default: all installed)"
+    )
     p.add_argument("--sizes", type=_csv_ints, default=None, help="payload sizes in MB (default 1,16,128)")
     p.add_argument("--fields", type=_csv_ints, default=None, help="field counts (default 1,8,32)")
-    p.add_argument("--layouts", type=lambda s: s.split(","), default=None, help="wire layouts: jagged,padded (default jagged)")
+    p.add_argument(
+        "--layouts", type=lambda s: s.split(","), default=None, help="wire layouts: jagged,padded (default jagged)"
+    )
     p.add_argument("--repeat", type=int, default=None, help="timed repetitions after one warm-up (default 5)")
     p.add_argument("--objects", action="store_true", help="add an object column (chat messages) to every batch")
     p.add_argument("--quick", action="store_true", help="small grid, < 30 s (CI smoke run)")

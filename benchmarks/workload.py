@@ -86,7 +86,9 @@ def make_batch(
         payload += b * 4
         padded += b * 4
     if objects:
-        fields["messages"] = [{"role": "assistant", "turn": i, "text": "x" * int(rng.integers(5, 50))} for i in range(b)]
+        fields["messages"] = [
+            {"role": "assistant", "turn": i, "text": "x" * int(rng.integers(5, 50))} for i in range(b)
+        ]
     keys = [f"uid{i // 8}_g{i % 8}" for i in range(b)]
     return Batch(keys=keys, fields=fields, payload_bytes=payload, padded_bytes=padded, lengths=lens)
 
