@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "created_unix": time.time(),
         "machine": machine_info(),
         "config": {"sizes_mb": args.sizes, "fields": args.fields, "layouts": args.layouts, "repeat": args.repeat},
-        "backends": {b.name: ("ok" if b.name not in skipped else skipped[b.name]) for b in chosen},
+        "backends": {b.name: skipped.get(b.name, "ok") for b in chosen},
         "results": [asdict(r) for r in results],
     }
 
