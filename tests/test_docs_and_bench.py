@@ -24,8 +24,21 @@ def test_readme_example_runs() -> None:
 
 def test_quick_benchmark_json_matches_schema(tmp_path: Path) -> None:
     path = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "benchmarks.put_get", "--quick", "--backend", "memory", "--sizes", "1", "--fields", "1,4"]
-    out = subprocess.run([*cmd, "--no-progress", "--json", str(path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.put_get",
+        "--quick",
+        "--backend",
+        "memory",
+        "--sizes",
+        "1",
+        "--fields",
+        "1,4",
+    ]
+    out = subprocess.run(
+        [*cmd, "--no-progress", "--json", str(path)], capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
     assert out.returncode == 0, out.stderr
     report = json.loads(path.read_text())
     schema = json.loads((ROOT / "benchmarks" / "put_get.schema.json").read_text())

@@ -38,5 +38,7 @@ def test_backends_are_imported_lazily() -> None:
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module:
                 names = [node.module]
-            offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0] in ("ray", "transfer_queue", "mooncake")]
+            offenders += [
+                f"{path.name}: {n}" for n in names if n.split(".")[0] in ("ray", "transfer_queue", "mooncake")
+            ]
     assert not offenders, offenders
