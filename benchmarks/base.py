@@ -22,6 +22,9 @@ class BenchBackend:
     requires: tuple[str, ...] = ()
     options: dict[str, Any] = field(default_factory=dict)
     raw: Callable[[Batch, int], tuple[list[float], list[float]]] | None = None
+    # URL and options another process uses to reach the store this client is attached to; None: the
+    # backend is in-process only, so --readers does not apply.
+    reader_url: Callable[[Any], tuple[str, dict[str, Any]]] | None = None
 
     def missing(self) -> list[str]:
         import importlib.util

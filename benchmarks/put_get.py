@@ -26,6 +26,7 @@ import torch
 
 import dataplane
 from benchmarks.base import BenchBackend
+from benchmarks.readers import ReaderPool
 from benchmarks.workload import Batch, flat_views, human_bytes, make_batch, median
 
 SCHEMA_VERSION = 1
@@ -169,58 +170,134 @@ def _grid(args: argparse.Namespace) -> Iterator[tuple[int, int, str]]:
                 yield size, n_fields, layout
 
 
+def ray_seconds(batch: Batch, repeat: int) -> tuple[list[float], list[float]] | None:
+    """Raw ``ray.put``/``ray.get`` of the batch's tensors in this process, or None without Ray."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    if not ray.is_initialized():
+        ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+    tensors = {k: (v.values() if v.is_nested else v) for k, v in batch.fields.items() if isinstance(v, torch.Tensor)}
+    puts, gets = [], []
+    for i in range(repeat + 1):
+        t0 = time.perf_counter()
+        ref = ray.put(tensors)
+        t1 = time.perf_counter()
+        out = ray.get(ref, timeout=300)
+        t2 = time.perf_counter()
+        del out, ref
+        if i:
+            puts.append(t1 - t0)
+            gets.append(t2 - t1)
+    return puts, gets
+
+
+@dataclass
+class Ceilings:
+    memcpy_gbps: float
+    ray_put_gbps: float | None
+    ray_get_gbps: float | None
+
+
+def _ceilings(batch: Batch, repeat: int, with_ray: bool) -> Ceilings:
+    memcpy = batch.payload_bytes / median(memcpy_seconds(batch, repeat)) / 1e9
+    ray_t = ray_seconds(batch, repeat) if with_ray else None
+    if ray_t is None:
+        return Ceilings(memcpy, None, None)
+    return Ceilings(memcpy, batch.payload_bytes / median(ray_t[0]) / 1e9, batch.payload_bytes / median(ray_t[1]) / 1e9)
+
+
+def _measure(
+    backend: BenchBackend,
+    client: dataplane.DataPlaneClient,
+    batch: Batch,
+    case: tuple[int, int, str],
+    ceiling: Ceilings,
+    args: argparse.Namespace,
+    readers: ReaderPool | None,
+) -> CaseResult:
+    size, n_fields, layout = case
+    puts, gets = run_case(client, batch, args.repeat, readers)
+    n_readers = 0 if readers is None else len(readers.procs)
+    got_bytes = batch.payload_bytes * max(1, n_readers)  # aggregate over readers
+    put_gbps = batch.payload_bytes / median(puts) / 1e9
+    get_gbps = got_bytes / median(gets) / 1e9
+    res = CaseResult(
+        backend=backend.name, size_mb=size, n_fields=n_fields, layout=layout, readers=n_readers,
+        payload_bytes=batch.payload_bytes, padded_bytes=batch.padded_bytes,
+        put=Timing.of(puts), get=Timing.of(gets), put_gbps=put_gbps, get_gbps=get_gbps,
+        memcpy_gbps=ceiling.memcpy_gbps, put_vs_memcpy=put_gbps / ceiling.memcpy_gbps,
+        get_vs_memcpy=get_gbps / ceiling.memcpy_gbps,
+    )  # fmt: skip
+    res.extra["ray_put_gbps"] = ceiling.ray_put_gbps
+    res.extra["ray_get_gbps"] = ceiling.ray_get_gbps
+    if backend.raw is not None and readers is None:
+        raw_puts, raw_gets = backend.raw(batch, args.repeat)
+        res.raw_put_gbps = batch.payload_bytes / median(raw_puts) / 1e9
+        res.raw_get_gbps = batch.payload_bytes / median(raw_gets) / 1e9
+        res.put_vs_raw = put_gbps / res.raw_put_gbps
+        res.get_vs_raw = get_gbps / res.raw_get_gbps
+    return res
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     chosen = [b for b in _backends() if args.backend in (None, "all") or b.name in args.backend]
     installed, skipped = [], {}
     for b in chosen:
         missing = b.missing()
-        (skipped.__setitem__(b.name, f"not installed: {', '.join(missing)}") if missing else installed.append(b))
+        if missing:
+            skipped[b.name] = f"not installed: {', '.join(missing)}"
+        else:
+            installed.append(b)
     cases = list(_grid(args))
     progress = _Progress(len(cases) * len(installed), enabled=not args.no_progress)
     results: list[CaseResult] = []
-    ceilings: dict[tuple[int, int, str], float] = {}
+    ceilings: dict[tuple[int, int, str], Ceilings] = {}
+    notes: dict[str, str] = {}
     for backend in installed:
         try:
             client = dataplane.connect(backend.url, **backend.options)
         except Exception as e:  # report and go on with the other backends
             skipped[backend.name] = f"failed to start: {type(e).__name__}: {e}"
             continue
+        readers = None
         try:
-            for size, n_fields, layout in cases:
+            if args.readers:
+                if backend.reader_url is None:
+                    notes[backend.name] = "in-process store: measured with the writer's process reading"
+                else:
+                    url, options = backend.reader_url(client)
+                    readers = ReaderPool(args.readers, url, options)
+            for case in cases:
+                size, n_fields, layout = case
                 batch = make_batch(size * MB, n_fields, layout=layout, objects=args.objects)  # type: ignore[arg-type]
-                if (size, n_fields, layout) not in ceilings:
-                    ceilings[(size, n_fields, layout)] = batch.payload_bytes / median(
-                        memcpy_seconds(batch, args.repeat)
-                    )
-                memcpy = ceilings[(size, n_fields, layout)]
-                puts, gets = run_case(client, batch, args.repeat, layout)
-                put_gbps = batch.payload_bytes / median(puts) / 1e9
-                get_gbps = batch.payload_bytes / median(gets) / 1e9
-                res = CaseResult(
-                    backend=backend.name, size_mb=size, n_fields=n_fields, layout=layout, readers=0,
-                    payload_bytes=batch.payload_bytes, padded_bytes=batch.padded_bytes,
-                    put=Timing.of(puts), get=Timing.of(gets), put_gbps=put_gbps, get_gbps=get_gbps,
-                    memcpy_gbps=memcpy / 1e9, put_vs_memcpy=put_gbps / (memcpy / 1e9), get_vs_memcpy=get_gbps / (memcpy / 1e9),
-                )  # fmt: skip
-                if backend.raw is not None:
-                    raw_puts, raw_gets = backend.raw(batch, args.repeat)
-                    res.raw_put_gbps = batch.payload_bytes / median(raw_puts) / 1e9
-                    res.raw_get_gbps = batch.payload_bytes / median(raw_gets) / 1e9
-                    res.put_vs_raw = put_gbps / res.raw_put_gbps
-                    res.get_vs_raw = get_gbps / res.raw_get_gbps
-                results.append(res)
+                if case not in ceilings:
+                    ceilings[case] = _ceilings(batch, args.repeat, with_ray=args.ray)
+                results.append(_measure(backend, client, batch, case, ceilings[case], args, readers))
                 del batch
                 gc.collect()
                 progress.step(f"{backend.name} {size}MB x{n_fields} {layout}")
+        except Exception as e:  # one backend failing mid-run must not lose the others' results
+            skipped[backend.name] = f"failed during the run: {type(e).__name__}: {e}"
         finally:
+            if readers is not None:
+                readers.close()
             client.close()
     progress.close()
     return {
         "schema_version": SCHEMA_VERSION,
         "created_unix": time.time(),
         "machine": machine_info(),
-        "config": {"sizes_mb": args.sizes, "fields": args.fields, "layouts": args.layouts, "repeat": args.repeat},
+        "config": {
+            "sizes_mb": args.sizes,
+            "fields": args.fields,
+            "layouts": args.layouts,
+            "repeat": args.repeat,
+            "readers": args.readers,
+        },  # fmt: skip
         "backends": {b.name: skipped.get(b.name, "ok") for b in chosen},
+        "notes": notes,
         "results": [asdict(r) for r in results],
     }
 
@@ -310,6 +387,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--repeat", type=int, default=None, help="timed repetitions after one warm-up (default 5)")
     p.add_argument("--objects", action="store_true", help="add an object column (chat messages) to every batch")
+    p.add_argument(
+        "--readers", type=int, default=0, help="N reader processes get each batch at once (default 0: the writer reads)"
+    )
+    p.add_argument("--no-ray", dest="ray", action="store_false", help="skip the raw ray.put/ray.get ceiling")
     p.add_argument("--quick", action="store_true", help="small grid, < 30 s (CI smoke run)")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)")
