@@ -295,7 +295,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "layouts": args.layouts,
             "repeat": args.repeat,
             "readers": args.readers,
-        },  # fmt: skip
+        },
         "backends": {b.name: skipped.get(b.name, "ok") for b in chosen},
         "notes": notes,
         "results": [asdict(r) for r in results],
