@@ -73,27 +73,47 @@ class MemoryConfig:
 class _Chunk:
     """One put's copy of one column; its bytes count until its last row is gone."""
 
-    __slots__ = ("live", "nbytes")
+    __slots__ = ("buf", "live", "nbytes", "offsets")
 
-    def __init__(self, nbytes: int, live: int) -> None:
-        self.nbytes = nbytes
-        self.live = live
+    def __init__(self, buf: torch.Tensor, offsets: torch.Tensor | None) -> None:
+        self.buf = buf  # dense: [B, *inner]; jagged/object: [sum(L), *inner]
+        self.offsets = offsets  # jagged/object: row i is buf[offsets[i]:offsets[i + 1]]
+        self.nbytes = buf.numel() * buf.element_size()
+        self.live = buf.shape[0] if offsets is None else offsets.numel() - 1
 
 
-class _Cell:
-    __slots__ = ("chunk", "data")
+class _Block:
+    """The columns of one put; rows refer to it by position."""
 
-    def __init__(self, data: torch.Tensor, chunk: _Chunk) -> None:
-        self.data = data
-        self.chunk = chunk
+    __slots__ = ("chunks",)
+
+    def __init__(self, chunks: dict[str, _Chunk]) -> None:
+        self.chunks = chunks
+
+
+class _Ref:
+    """Row ``idx`` of ``block``, for the fields of it this row still reads from there."""
+
+    __slots__ = ("block", "fields", "idx")
+
+    def __init__(self, block: _Block, idx: int, fields: frozenset[str]) -> None:
+        self.block = block
+        self.idx = idx
+        self.fields = fields
 
 
 class _Row:
-    __slots__ = ("cells", "tags")
+    __slots__ = ("refs", "tags")
 
     def __init__(self) -> None:
-        self.cells: dict[str, _Cell] = {}
+        self.refs: list[_Ref] = []  # oldest first; a field is read from the newest ref holding it
         self.tags: dict[str, Any] = {}
+
+    def find(self, field: str) -> _Ref | None:
+        for ref in reversed(self.refs):
+            if field in ref.fields:
+                return ref
+        return None
 
 
 class _Partition:
@@ -104,17 +124,55 @@ class _Partition:
         self.schema: dict[str, FieldSchema] = {}
 
 
-def _stored_copy(col: Column, pool: BufferPool) -> tuple[list[torch.Tensor], _Chunk]:
-    """Copy a column once into pooled memory; return per-row views and its chunk."""
+def _stored_copy(col: Column, pool: BufferPool) -> _Chunk:
+    """Copy a column once into pooled memory."""
     values = col.values
     buf = pool.tensor(tuple(values.shape), values.dtype)
     buf.copy_(values)
-    if col.offsets is None:
-        rows = list(buf.unbind(0))
-    else:
-        lengths = (col.offsets[1:] - col.offsets[:-1]).tolist()
-        rows = list(torch.split(buf, lengths, dim=0))
-    return rows, _Chunk(buf.numel() * buf.element_size(), len(rows))
+    return _Chunk(buf, None if col.offsets is None else col.offsets.clone())
+
+
+Run = tuple[_Chunk, int, int]  # rows first..last (inclusive) of a chunk
+
+
+def _runs(refs: list[_Ref], field: str) -> list[Run]:
+    """Group consecutive rows of one chunk, so each group is one copy."""
+    runs: list[Run] = []
+    for ref in refs:
+        chunk = ref.block.chunks[field]
+        if runs and runs[-1][0] is chunk and runs[-1][2] + 1 == ref.idx:
+            runs[-1] = (chunk, runs[-1][1], ref.idx)
+        else:
+            runs.append((chunk, ref.idx, ref.idx))
+    return runs
+
+
+def _assemble(schema: FieldSchema, runs: list[Run]) -> Column:
+    """Copy the runs back to back into one pooled buffer the caller owns."""
+    pool = default_pool()
+    if schema.kind == "dense":
+        out = pool.tensor((sum(last - first + 1 for _, first, last in runs), *schema.inner_shape), schema.dtype)
+        at = 0
+        for chunk, first, last in runs:
+            n = last - first + 1
+            out[at : at + n].copy_(chunk.buf[first : last + 1])
+            at += n
+        return Column(schema, out)
+    spans = []
+    for chunk, first, last in runs:
+        assert chunk.offsets is not None
+        spans.append((chunk, int(chunk.offsets[first]), int(chunk.offsets[last + 1]), first, last))
+    values = pool.tensor((sum(b - a for _, a, b, _, _ in spans), *schema.inner_shape), schema.dtype)
+    at = 0
+    pieces = []
+    for chunk, a, b, first, last in spans:
+        if b > a:
+            values[at : at + b - a].copy_(chunk.buf[a:b])
+        at += b - a
+        assert chunk.offsets is not None
+        pieces.append(chunk.offsets[first + 1 : last + 2] - chunk.offsets[first : last + 1])
+    lengths = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    return Column(schema, values, offsets_from_lengths(lengths))
 
 
 class MemoryStore(KVStore):
@@ -166,7 +224,8 @@ class MemoryStore(KVStore):
                 f"a put of {incoming} bytes can never fit a memory store of capacity_bytes={cfg.capacity_bytes}; "
                 "split the batch or raise capacity_bytes"
             )
-        copies = {field: _stored_copy(col, self._pool) for field, col in columns.items()}
+        block = _Block({field: _stored_copy(col, self._pool) for field, col in columns.items()})
+        written = frozenset(columns)
         self._acquire(timeout_s)
         try:
             part = self._parts.get(partition_id)
@@ -175,54 +234,62 @@ class MemoryStore(KVStore):
                 if field in known:
                     check_compatible(partition_id, field, known[field], col.schema)
             rows = part.rows if part is not None else {}
-            new_rows = sum(1 for k in keys if k not in rows)
-            freed, dropping = 0, Counter[int]()
+            # (row, superseded ref, field) for every value this put replaces
+            replaced: list[tuple[_Row, _Ref, str]] = []
+            new_rows = 0
             for k in keys:
                 row = rows.get(k)
                 if row is None:
+                    new_rows += 1
                     continue
-                for field in columns:
-                    cell = row.cells.get(field)
-                    if cell is not None:
-                        dropping[id(cell.chunk)] += 1
-                        if dropping[id(cell.chunk)] == cell.chunk.live:
-                            freed += cell.chunk.nbytes
+                for field in written:
+                    old = row.find(field)
+                    if old is not None:
+                        replaced.append((row, old, field))
             if cfg.capacity_rows is not None and self._rows + new_rows > cfg.capacity_rows:
                 raise CapacityExceeded(
                     f"memory store holds {self._rows} of capacity_rows={cfg.capacity_rows} rows; "
                     f"this put adds {new_rows}. Clear consumed rows (kv_clear) or raise capacity_rows"
                 )
-            if cfg.capacity_bytes is not None and self._bytes - freed + incoming > cfg.capacity_bytes:
-                raise CapacityExceeded(
-                    f"memory store holds {self._bytes} of capacity_bytes={cfg.capacity_bytes} bytes; this put needs "
-                    f"{incoming - freed} more. Clear consumed rows (kv_clear) or raise capacity_bytes"
-                )
+            if cfg.capacity_bytes is not None:
+                dropping = Counter(id(ref.block.chunks[f]) for _, ref, f in replaced)
+                by_id = {id(ref.block.chunks[f]): ref.block.chunks[f] for _, ref, f in replaced}
+                freed = sum(c.nbytes for cid, c in by_id.items() if dropping[cid] == c.live)
+                if self._bytes - freed + incoming > cfg.capacity_bytes:
+                    raise CapacityExceeded(
+                        f"memory store holds {self._bytes} of capacity_bytes={cfg.capacity_bytes} bytes; this put "
+                        f"needs {incoming - freed} more. Clear consumed rows (kv_clear) or raise capacity_bytes"
+                    )
             # Validated: apply. Nothing below can fail.
             if part is None:
                 part = self._parts[partition_id] = _Partition()
             for field, col in columns.items():
                 part.schema.setdefault(field, col.schema)
+            for row, ref, field in replaced:
+                self._drop(row, ref, field)
             for i, k in enumerate(keys):
                 row = part.rows.get(k)
                 if row is None:
                     row = part.rows[k] = _Row()
-                for field, (views, chunk) in copies.items():
-                    old = row.cells.get(field)
-                    if old is not None:
-                        self._release(old)
-                    row.cells[field] = _Cell(views[i], chunk)
+                row.refs.append(_Ref(block, i, written))
                 if tags is not None:
                     row.tags.update(tags[i])
             self._rows += new_rows
-            self._bytes += sum(chunk.nbytes for _, chunk in copies.values())
+            self._bytes += sum(chunk.nbytes for chunk in block.chunks.values())
         finally:
             self._lock.release()
         return None
 
-    def _release(self, cell: _Cell) -> None:
-        cell.chunk.live -= 1
-        if cell.chunk.live == 0:
-            self._bytes -= cell.chunk.nbytes
+    def _drop(self, row: _Row, ref: _Ref, field: str) -> None:
+        """This row no longer reads ``field`` from ``ref``."""
+        chunk = ref.block.chunks[field]
+        chunk.live -= 1
+        if chunk.live == 0:
+            self._bytes -= chunk.nbytes
+            del ref.block.chunks[field]  # releases the buffer
+        ref.fields = ref.fields - {field}
+        if not ref.fields:
+            row.refs.remove(ref)
 
     def get(
         self,
@@ -233,42 +300,36 @@ class MemoryStore(KVStore):
         meta: KVBatchMeta | None,
         timeout_s: float,
     ) -> Mapping[str, Column]:
+        wanted = frozenset(fields)
         self._acquire(timeout_s)
         try:
             part = self._parts.get(partition_id)
             rows = part.rows if part is not None else {}
             missing_keys = [k for k in keys if k not in rows]
-            missing_fields: dict[str, list[str]] = {}
-            gathered: dict[str, list[torch.Tensor]] = {f: [] for f in fields}
-            if not missing_keys:
-                for k in keys:
-                    cells = rows[k].cells
-                    for f in fields:
-                        cell = cells.get(f)
-                        if cell is None:
-                            missing_fields.setdefault(f, []).append(k)
-                        else:
-                            gathered[f].append(cell.data)
-            if missing_keys or missing_fields:
-                raise missing_rows_error(partition_id, missing_keys, missing_fields)
+            if missing_keys:
+                raise missing_rows_error(partition_id, missing_keys)
             assert part is not None
+            # Common case: each row reads every wanted field from its newest put.
+            newest = [rows[k].refs[-1] for k in keys]
+            if all(wanted <= ref.fields for ref in newest):
+                per_field = dict.fromkeys(fields, newest)
+            else:
+                per_field, missing_fields = {}, {}
+                for f in fields:
+                    found = [rows[k].find(f) for k in keys]
+                    absent = [k for k, ref in zip(keys, found, strict=True) if ref is None]
+                    if absent:
+                        missing_fields[f] = absent
+                    per_field[f] = found  # type: ignore[assignment]
+                if missing_fields:
+                    raise missing_rows_error(partition_id, (), missing_fields)
             schemas = {f: part.schema[f] for f in fields}
+            runs = {f: _runs(per_field[f], f) for f in fields}
         finally:
             self._lock.release()
-        # Stored tensors are immutable once published, so copying outside the lock is safe.
-        return {f: self._assemble(schemas[f], gathered[f]) for f in fields}
-
-    @staticmethod
-    def _assemble(schema: FieldSchema, cells: list[torch.Tensor]) -> Column:
-        pool = default_pool()
-        if schema.kind == "dense":
-            out = pool.tensor((len(cells), *schema.inner_shape), schema.dtype)
-            torch.stack(cells, out=out)
-            return Column(schema, out)
-        lengths = [c.shape[0] for c in cells]
-        values = pool.tensor((sum(lengths), *schema.inner_shape), schema.dtype)
-        torch.cat(cells, out=values)
-        return Column(schema, values, offsets_from_lengths(lengths))
+        # Copy outside the lock: a stored buffer is never written after its put publishes it, and
+        # ``runs`` holds the chunks alive even if a concurrent put or clear drops them.
+        return {f: _assemble(schemas[f], runs[f]) for f in fields}
 
     def clear(self, partition_id: str, keys: Sequence[str] | None, *, timeout_s: float) -> None:
         self._acquire(timeout_s)
@@ -278,8 +339,10 @@ class MemoryStore(KVStore):
                 return
             doomed = list(part.rows) if keys is None else [k for k in keys if k in part.rows]
             for k in doomed:
-                for cell in part.rows.pop(k).cells.values():
-                    self._release(cell)
+                row = part.rows.pop(k)
+                for ref in list(row.refs):
+                    for field in ref.fields:
+                        self._drop(row, ref, field)
             self._rows -= len(doomed)
             if not part.rows:
                 del self._parts[partition_id]

@@ -99,7 +99,11 @@ def pack_nested(nt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def to_nested(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``(values, offsets)`` -> a jagged-layout nested tensor that views ``values`` (no copy)."""
-    return torch.nested.nested_tensor_from_jagged(values, offsets)
+    lens = lengths_of(offsets)
+    if lens.numel() == 0:
+        return torch.nested.nested_tensor_from_jagged(values, offsets)
+    lo, hi = torch.aminmax(lens)
+    return torch.nested.nested_tensor_from_jagged(values, offsets, min_seqlen=int(lo), max_seqlen=int(hi))
 
 
 def padded_width(max_length: int, pad_to_multiple: int = 1, pad_to_length: int | None = None) -> int:
