@@ -265,7 +265,7 @@ class _Spawner:
             argv, kwargs, box, done = q.get()
             try:
                 box.append(subprocess.Popen(argv, **kwargs))
-            except BaseException as e:  # noqa: BLE001 - handed back to the caller
+            except BaseException as e:
                 box.append(e)
             done.set()
 
@@ -297,7 +297,7 @@ def _spawn(argv: list[str], **kwargs) -> subprocess.Popen:
 # shared handle behaviour
 
 # Strong refs: a handle dropped by its user is still stopped (and its log removed) at exit.
-_LIVE: "set[_ProcHandle]" = set()
+_LIVE: set[_ProcHandle] = set()
 
 
 def _pid_alive(pid: int) -> bool:
@@ -307,10 +307,11 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:  # a zombie is not alive
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except OSError:
+    try:  # a zombie is not alive, unless its other threads are still exiting (leader shows Z first)
+        with open(f"/proc/{pid}/status", "rb") as f:
+            st = dict(ln.split(b":", 1) for ln in f.read().splitlines() if b":" in ln)
+        return not (st.get(b"State", b"").strip().startswith(b"Z") and int(st.get(b"Threads", b"1")) <= 1)
+    except (OSError, ValueError):
         return True
 
 
@@ -414,7 +415,7 @@ class MasterHandle(_ProcHandle):
             return False
         return _http_health(self.host, self.metrics_port, timeout_s)
 
-    def __enter__(self) -> "MasterHandle":
+    def __enter__(self) -> MasterHandle:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -535,7 +536,7 @@ class StoreServerHandle(_ProcHandle):
             except OSError:
                 pass
 
-    def __enter__(self) -> "StoreServerHandle":
+    def __enter__(self) -> StoreServerHandle:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -649,5 +650,5 @@ def _stop_all_at_exit() -> None:
     for h in sorted(_LIVE, key=lambda h: not isinstance(h, StoreServerHandle)):
         try:
             h.stop(timeout_s=5.0)
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass

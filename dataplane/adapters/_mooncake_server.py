@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         from mooncake.store import MooncakeDistributedStore
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         _emit(ready_fd, ERROR_PREFIX + f"import mooncake.store failed: {e!r}")
         return 3
 
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         name = store.get_hostname()
-    except Exception:  # noqa: BLE001
+    except Exception:
         name = ""
     _emit(ready_fd, READY_PREFIX + json.dumps({
         "pid": os.getpid(), "segment_name": name, "segment_bytes": args.segment_bytes,
@@ -128,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
             stop_reason.append("parent changed")
 
     print(f"mooncake store server {os.getpid()} stopping: {stop_reason[0]}", file=sys.stderr, flush=True)
+    t_close = time.monotonic()
     store.close()
+    print(f"mooncake store server {os.getpid()} closed in {time.monotonic() - t_close:.2f}s", file=sys.stderr, flush=True)
     return 0
 
 

@@ -24,6 +24,23 @@ Facts this module is built on (``shared/research/tq.md`` and ``scratch/tq/NOTES.
 * Controller RPCs have no timeout. Bound every call with :meth:`TQDeployment.call` /
   :meth:`TQDeployment.acall` (see their docstrings for why this way).
 
+Bounded calls, measured (``scratch/tq/05_bounds.py``):
+
+* ``dep.call(fn, ..., timeout=t)`` / ``await dep.acall(...)`` run ``tq.async_<fn>`` on the TQ client's
+  own loop thread and wait at most ``t``; on timeout the task is cancelled (TQ discards the DEALER
+  socket of the interrupted request, so no stale reply is read later) and ``TimeoutError`` is raised.
+  This held for a SIGSTOPped and a killed controller and for a SIGSTOPped Mooncake master.
+* ``asyncio.wait_for(tq.async_kv_batch_get(...), t)`` on the caller's loop is NOT a bound on
+  MooncakeStore: TQ does the Mooncake get synchronously inside the coroutine, which blocked the
+  caller's loop for 122 s. (On SimpleStorage it works and cleans up.)
+* Caveats: a cancelled Mooncake get keeps the TQ loop thread busy until Mooncake gives up, so later
+  calls time out too until then. A timed-out or failed put may leave "phantom" keys: ``kv_clear`` them.
+  TQ's own ``StorageUnitTimeout`` (dead SimpleStorage unit, after ``MAX_ATTEMPTS*SEND_RECV+PROBE`` s)
+  is a ``RuntimeError``, not a ``TimeoutError``.
+
+Attaching from an async Ray actor works; ``await asyncio.to_thread(start_or_attach)`` avoids blocking
+its loop during the (short, bounded) attach.
+
 ``ray`` and ``transfer_queue`` are imported lazily, inside functions.
 """
 
@@ -109,8 +126,9 @@ class TQDeployConfig:
         if self.storage_capacity_rows is not None and self.storage_capacity_rows < 1:
             raise ValueError(f"storage_capacity_rows must be >= 1 or None, got {self.storage_capacity_rows}")
         if self.storage_capacity_rows is not None and self.storage != "simple":
-            raise ValueError("storage_capacity_rows applies to storage='simple' only; size Mooncake "
-                             "with mooncake_segment_bytes")
+            raise ValueError(
+                "storage_capacity_rows applies to storage='simple' only; size Mooncake with mooncake_segment_bytes"
+            )
         for name in ("init_timeout_s", "op_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -122,7 +140,7 @@ class TQDeployConfig:
     @property
     def ray_cpus_needed(self) -> int:
         """Ray CPUs TQ's own actors take: the controller, plus one per SimpleStorage unit."""
-        return 1 + (self.num_storage_units if self.storage == "simple" else 0)
+        return 1 + _units_in(_build_conf(self, None))
 
 
 def tq_env(cfg: TQDeployConfig) -> dict[str, str]:
@@ -215,28 +233,37 @@ def _wait_for_config(controller: Any, deadline: float) -> Any:
         if left <= 0:
             raise TimeoutError(
                 "TransferQueue controller exists but published no config in time: its owner may still be "
-                "starting, or may have died; raise init_timeout_s or restart the owner")
+                "starting, or may have died; raise init_timeout_s or restart the owner"
+            )
         conf = ray.get(controller.get_config.remote(), timeout=max(0.1, left))
         if conf is not None:
             return conf
         time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
 
+class _Bounded(TimeoutError):
+    """``fn`` did not finish in time; ``thread`` still runs it (a daemon thread)."""
+
+    def __init__(self, message: str, thread: threading.Thread) -> None:
+        super().__init__(message)
+        self.thread = thread
+
+
 def _run_bounded(fn: Any, timeout_s: float, what: str) -> Any:
-    """Run ``fn()`` on a daemon thread; raise ``TimeoutError`` if it is not done in ``timeout_s``."""
+    """Run ``fn()`` on a daemon thread; raise :class:`_Bounded` if it is not done in ``timeout_s``."""
     box: dict[str, Any] = {}
 
     def target() -> None:
         try:
             box["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+        except BaseException as e:  # re-raised in the caller
             box["error"] = e
 
     thread = threading.Thread(target=target, name=f"dataplane-{what}", daemon=True)
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
-        raise TimeoutError(f"{what} did not finish within {timeout_s:.0f}s")
+        raise _Bounded(f"{what} did not finish within {timeout_s:.0f}s", thread)
     if "error" in box:
         raise box["error"]
     return box.get("value")
@@ -286,7 +313,8 @@ class TQDeployment:
         client = itf._TQ_CLIENT
         if self._closed or client is None:
             raise RuntimeError("TransferQueue client is closed")
-        return client._loop
+        loop: asyncio.AbstractEventLoop = client._loop
+        return loop
 
     def call(self, fn: str, /, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
         """Run ``transfer_queue.async_<fn>(*args, **kwargs)`` with a bound; e.g. ``call("kv_batch_get", ...)``.
@@ -318,7 +346,8 @@ class TQDeployment:
             future.cancel()
             raise TimeoutError(
                 f"TransferQueue {fn} did not finish within {limit:g}s (cancelled); the controller or a "
-                f"storage unit may be hung or dead") from None
+                f"storage unit may be hung or dead"
+            ) from None
 
     async def acall(self, fn: str, /, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
         """Async twin of :meth:`call`: awaits TQ's loop without blocking the caller's loop."""
@@ -335,7 +364,8 @@ class TQDeployment:
             future.cancel()
             raise TimeoutError(
                 f"TransferQueue {fn} did not finish within {limit:g}s (cancelled); the controller or a "
-                f"storage unit may be hung or dead") from None
+                f"storage unit may be hung or dead"
+            ) from None
 
     def ping(self, timeout: float = 5.0) -> bool:
         """True if the controller actor answers within ``timeout`` (a Ray call, not ZMQ)."""
@@ -347,7 +377,7 @@ class TQDeployment:
         try:
             ray.get(controller.get_config.remote(), timeout=timeout)
             return True
-        except Exception:  # noqa: BLE001 - any failure means "not healthy"
+        except Exception:
             return False
 
     def runtime_env(self) -> dict[str, Any]:
@@ -385,7 +415,7 @@ class TQDeployment:
             if self.master is not None:
                 try:
                     self.master.stop()
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     logger.warning("stopping mooncake_master pid %s failed: %s", self.master.pid, e)
             if self.ray_inited:
                 import ray
@@ -410,7 +440,7 @@ def _close_quietly(storage_client: Any) -> None:
         return
     try:
         storage_client.close()
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         logger.warning("closing the Mooncake store client failed: %s", e)
 
 
@@ -422,7 +452,7 @@ def _owner_teardown() -> None:
     storage_client = _mooncake_store_client(itf._TQ_CLIENT)
     try:
         tq.close()
-    except Exception as e:  # noqa: BLE001 - keep tearing down
+    except Exception as e:
         logger.warning("tq.close() failed: %s", e)
     _close_quietly(storage_client)
 
@@ -435,7 +465,7 @@ def _close_client_only(itf: Any) -> None:
     if client is not None:
         try:
             client.close()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             logger.warning("closing the TransferQueue client failed: %s", e)
 
 
@@ -480,18 +510,35 @@ def _deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any
     return out
 
 
-def _kill_named_actors(cfg: TQDeployConfig) -> None:
-    """Kill TQ actors a timed-out start-up may have left (the controller and our units)."""
+def _units_in(conf: Mapping[str, Any]) -> int:
+    backend = conf["backend"]
+    if backend["storage_backend"] != "SimpleStorage":
+        return 0
+    return int(backend["SimpleStorage"]["num_data_storage_units"])
+
+
+def _created_by_this_job(handle: Any) -> bool:
     import ray
 
-    names = [(CONTROLLER_NAME, TQ_NAMESPACE)]
-    if cfg.storage == "simple":
-        names += [(STORAGE_UNIT_NAME.format(i), None) for i in range(cfg.num_storage_units)]
-    for name, namespace in names:
+    try:
+        return bool(handle._ray_actor_id.job_id.hex() == ray.get_runtime_context().get_job_id())
+    except Exception:  # cannot tell: leave it alone
+        return False
+
+
+def _kill_named_actors(num_units: int) -> None:
+    """Kill what a failed start-up left: units (named in our job's namespace, so ours) and the
+    controller if this job created it (never a controller another process started meanwhile)."""
+    import ray
+
+    for i in range(num_units):
         try:
-            ray.kill(ray.get_actor(name, namespace=namespace))
-        except Exception:  # noqa: BLE001 - not there: nothing to kill
+            ray.kill(ray.get_actor(STORAGE_UNIT_NAME.format(i)))
+        except Exception:  # not there: nothing to kill
             pass
+    controller = _find_controller()
+    if controller is not None and _created_by_this_job(controller):
+        ray.kill(controller)
 
 
 def _reset_tq_globals() -> None:
@@ -527,8 +574,7 @@ def start_or_attach(cfg: TQDeployConfig | None = None) -> TQDeployment:
     _apply_env(env)  # before the first `import transfer_queue` in this process
     ray_inited, ray_started = _ensure_ray(cfg, env)
     timings = {"ray_init_s": time.monotonic() - t_start}
-    dep = TQDeployment(cfg=cfg, owner=False, env=env, ray_inited=ray_inited, ray_started=ray_started,
-                       timings=timings)
+    dep = TQDeployment(cfg=cfg, owner=False, env=env, ray_inited=ray_inited, ray_started=ray_started, timings=timings)
     global _CLIENT_REFS
     try:
         import transfer_queue as tq
@@ -571,7 +617,8 @@ def _check_mooncake_master(conf: Any) -> None:
     if not _tcp_reachable(address):
         raise RuntimeError(
             f"TransferQueue's mooncake_master {address} is not reachable; its owner has probably "
-            f"exited. Restart the owner process (the one that called start_or_attach first).")
+            f"exited. Restart the owner process (the one that called start_or_attach first)."
+        )
 
 
 def _start_owned(dep: TQDeployment, deadline: float) -> None:
@@ -581,15 +628,22 @@ def _start_owned(dep: TQDeployment, deadline: float) -> None:
 
     cfg = dep.cfg
     need = cfg.ray_cpus_needed
-    free = float(ray.available_resources().get("CPU", 0.0))
+    units = need - 1
+    # Killed actors give their CPUs back a moment later (seen right after a close()): wait a little.
+    total = float(ray.cluster_resources().get("CPU", 0.0))  # type: ignore[no-untyped-call]
+    grace_end = min(deadline, time.monotonic() + (10.0 if total >= need else 0.0))
+    free = float(ray.available_resources().get("CPU", 0.0))  # type: ignore[no-untyped-call]
+    while free < need and time.monotonic() < grace_end:
+        time.sleep(0.2)
+        free = float(ray.available_resources().get("CPU", 0.0))  # type: ignore[no-untyped-call]
     if free < need:
-        total = float(ray.cluster_resources().get("CPU", 0.0))
         raise RuntimeError(
-            f"TransferQueue needs {need} free Ray CPUs (controller + {need - 1} storage unit(s), "
+            f"TransferQueue needs {need} free Ray CPUs (controller + {units} storage unit(s), "
             f"num_cpus=1 each) but this Ray cluster has {free:g} free of {total:g}; tq.init would "
             f"hang forever. Fix: let dataplane start Ray (ray_address=None, no ray.init before) or "
-            f"call ray.init(num_cpus=>= {need} + what your actors use), lower num_storage_units, "
-            f"or free CPUs held by other actors.")
+            f"call ray.init(num_cpus=N) with N >= {need} plus what your own actors use, lower num_storage_units, "
+            f"or free CPUs held by other actors."
+        )
 
     if cfg.storage == "mooncake":
         if cfg.mooncake_master_address:
@@ -607,9 +661,18 @@ def _start_owned(dep: TQDeployment, deadline: float) -> None:
     conf = _build_conf(cfg, dep.master_address)
     try:
         final = _run_bounded(lambda: tq.init(conf), max(0.1, deadline - time.monotonic()), "tq.init")
-    except BaseException:
-        _kill_named_actors(cfg)
+    except BaseException as e:
+        # Killing the actors also fails the tq.init thread's pending ray.get, so it ends too.
+        _kill_named_actors(units)
+        if isinstance(e, _Bounded):
+            e.thread.join(10.0)
         _reset_tq_globals()
+        if isinstance(e, _Bounded):
+            raise TimeoutError(
+                f"tq.init did not finish within {cfg.init_timeout_s:g}s (init_timeout_s); everything it "
+                f"started was killed. Usual causes: Ray CPUs taken by other actors, or a slow/overloaded "
+                f"node (raise init_timeout_s)."
+            ) from None
         raise
     if itf._TQ_STORAGE is None:
         # Another process created the controller between our check and tq.init: we attached.

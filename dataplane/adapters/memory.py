@@ -135,15 +135,14 @@ def _stored_copy(col: Column, pool: BufferPool) -> _Chunk:
 Run = tuple[_Chunk, int, int]  # rows first..last (inclusive) of a chunk
 
 
-def _runs(refs: list[_Ref], field: str) -> list[Run]:
-    """Group consecutive rows of one chunk, so each group is one copy."""
-    runs: list[Run] = []
+def _block_runs(refs: list[_Ref]) -> list[tuple[_Block, int, int]]:
+    """Group consecutive rows of one put, so each group is one copy per field."""
+    runs: list[tuple[_Block, int, int]] = []
     for ref in refs:
-        chunk = ref.block.chunks[field]
-        if runs and runs[-1][0] is chunk and runs[-1][2] + 1 == ref.idx:
-            runs[-1] = (chunk, runs[-1][1], ref.idx)
+        if runs and runs[-1][0] is ref.block and runs[-1][2] + 1 == ref.idx:
+            runs[-1] = (ref.block, runs[-1][1], ref.idx)
         else:
-            runs.append((chunk, ref.idx, ref.idx))
+            runs.append((ref.block, ref.idx, ref.idx))
     return runs
 
 
@@ -324,7 +323,13 @@ class MemoryStore(KVStore):
                 if missing_fields:
                     raise missing_rows_error(partition_id, (), missing_fields)
             schemas = {f: part.schema[f] for f in fields}
-            runs = {f: _runs(per_field[f], f) for f in fields}
+            grouped: dict[int, list[tuple[_Block, int, int]]] = {}
+            runs: dict[str, list[Run]] = {}
+            for f in fields:
+                refs = per_field[f]
+                if id(refs) not in grouped:  # the common case groups once for every field
+                    grouped[id(refs)] = _block_runs(refs)
+                runs[f] = [(block.chunks[f], first, last) for block, first, last in grouped[id(refs)]]
         finally:
             self._lock.release()
         # Copy outside the lock: a stored buffer is never written after its put publishes it, and
