@@ -22,7 +22,11 @@ Facts this module is built on (``shared/research/tq.md`` and ``scratch/tq/NOTES.
   process. The owner lends ``mooncake_segment_bytes``; it then re-stores the shared config with
   ``mooncake_worker_segment_bytes`` (default 0), so processes that attach lend nothing.
 * Controller RPCs have no timeout. Bound every call with :meth:`TQDeployment.call` /
-  :meth:`TQDeployment.acall` (see their docstrings for why this way).
+  :meth:`TQDeployment.acall`, or a whole coroutine of several calls with :meth:`TQDeployment.run`
+  (see their docstrings for why this way).
+* ``TQDeployConfig(attach_only=True)`` never starts anything (what ``tq://`` without a backend uses).
+  One process should hold one handle: ``dataplane.adapters.transfer_queue`` shares it between the
+  process's clients, refcounted.
 
 Bounded calls, measured (``scratch/tq/05_bounds.py``):
 
@@ -99,6 +103,8 @@ class TQDeployConfig:
         local_hostname: address Mooncake clients announce.
         tq_env: extra/overriding TQ environment variables (see :func:`tq_env`).
         tq_conf: dict merged last into the ``tq.init`` config (escape hatch).
+        attach_only: never start anything: attach to the TransferQueue this Ray cluster runs, or
+            raise (without starting Ray when this process has none and no address is given).
     """
 
     storage: Literal["simple", "mooncake"] = "simple"
@@ -117,6 +123,7 @@ class TQDeployConfig:
     local_hostname: str = "127.0.0.1"
     tq_env: Mapping[str, str] = field(default_factory=dict)
     tq_conf: Mapping[str, Any] = field(default_factory=dict)
+    attach_only: bool = False
 
     def __post_init__(self) -> None:
         if self.storage not in ("simple", "mooncake"):
@@ -315,6 +322,48 @@ class TQDeployment:
             raise RuntimeError("TransferQueue client is closed")
         loop: asyncio.AbstractEventLoop = client._loop
         return loop
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def client(self) -> Any:
+        """This process's ``TransferQueueClient`` (TQ keeps one per process)."""
+        import transfer_queue.interface as itf
+
+        client = itf._TQ_CLIENT
+        if self._closed or client is None:
+            raise RuntimeError("TransferQueue client is closed")
+        return client
+
+    @property
+    def storage(self) -> Literal["simple", "mooncake"]:
+        """The storage backend of the deployment this handle is on (from the shared config)."""
+        backend = str(self.conf.backend.storage_backend) if self.conf is not None else ""
+        return "mooncake" if backend == "MooncakeStore" else "simple"
+
+    def run(self, factory: Any, /, *args: Any, timeout: float | None = None) -> Any:
+        """Run the coroutine ``factory(*args)`` on the TQ client's loop thread, bounded like :meth:`call`.
+
+        On timeout the task is cancelled and ``TimeoutError`` is raised. Work the coroutine handed to
+        other threads (``run_in_executor``) goes on until it returns.
+        """
+        import concurrent.futures
+
+        loop = self._client_loop()
+        limit = self.cfg.op_timeout_s if timeout is None else timeout
+        future = asyncio.run_coroutine_threadsafe(factory(*args), loop)
+        try:
+            return future.result(limit)
+        except concurrent.futures.TimeoutError:
+            if future.done():  # a TimeoutError raised inside
+                raise
+            future.cancel()
+            raise TimeoutError(
+                f"TransferQueue operation did not finish within {limit:g}s (cancelled); the controller or a "
+                f"storage unit may be hung or dead"
+            ) from None
 
     def call(self, fn: str, /, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
         """Run ``transfer_queue.async_<fn>(*args, **kwargs)`` with a bound; e.g. ``call("kv_batch_get", ...)``.
@@ -572,6 +621,15 @@ def start_or_attach(cfg: TQDeployConfig | None = None) -> TQDeployment:
     deadline = t_start + cfg.init_timeout_s
     env = tq_env(cfg)
     _apply_env(env)  # before the first `import transfer_queue` in this process
+    if cfg.attach_only and not (cfg.ray_address or os.environ.get("RAY_ADDRESS")):
+        import ray
+
+        if not ray.is_initialized():
+            raise RuntimeError(
+                "no TransferQueue to attach to: this process is not in a Ray cluster (no ray.init, no "
+                "RAY_ADDRESS). Start one first, e.g. dataplane.connect('tq://?backend=simple'), or pass "
+                "ray_address"
+            )
     ray_inited, ray_started = _ensure_ray(cfg, env)
     timings = {"ray_init_s": time.monotonic() - t_start}
     dep = TQDeployment(cfg=cfg, owner=False, env=env, ray_inited=ray_inited, ray_started=ray_started, timings=timings)
@@ -594,6 +652,11 @@ def start_or_attach(cfg: TQDeployConfig | None = None) -> TQDeployment:
                 _run_bounded(tq.init, max(0.1, deadline - time.monotonic()), "TransferQueue attach")
             dep.conf = conf
             timings["attach_s"] = time.monotonic() - t0
+        elif cfg.attach_only:
+            raise RuntimeError(
+                "no TransferQueue runs in this Ray cluster (no TransferQueueController actor); start one "
+                "first, e.g. dataplane.connect('tq://?backend=simple') in the driver"
+            )
         else:
             _start_owned(dep, deadline)
             timings["init_s"] = time.monotonic() - t0

@@ -1,0 +1,70 @@
+"""TransferQueue entries of ``benchmarks.put_get``: ``tq-simple`` and ``tq-mooncake``.
+
+Each has a ``raw`` ceiling: TransferQueue's own ``kv_batch_put`` / ``kv_batch_get`` on the same batch
+(a TensorDict of the batch's tensors, jagged fields as jagged nested tensors), through the
+TransferQueue the benchmark's dataplane client started, so the table shows ours against raw.
+Raw gets return dense fields as nested tensors; the figure includes no densifying, ours does.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from benchmarks.base import BenchBackend
+from benchmarks.workload import Batch
+
+__all__ = ["BACKENDS"]
+
+
+def raw_seconds(batch: Batch, repeat: int) -> tuple[list[float], list[float]]:
+    """Median-able put/get seconds of ``transfer_queue.kv_batch_put/kv_batch_get`` on ``batch``."""
+    import transfer_queue as tq
+    from tensordict import TensorDict
+
+    tensors = {k: v for k, v in batch.fields.items() if isinstance(v, torch.Tensor)}
+    data = TensorDict(tensors, batch_size=[len(batch.keys)])
+    names = list(tensors)
+    puts, gets = [], []
+    for i in range(repeat + 1):
+        pid = f"bench-raw-{i}"
+        t0 = time.perf_counter()
+        tq.kv_batch_put(keys=batch.keys, partition_id=pid, fields=data)
+        t1 = time.perf_counter()
+        out = tq.kv_batch_get(keys=batch.keys, partition_id=pid, select_fields=names)
+        t2 = time.perf_counter()
+        if out.batch_size[0] != len(batch.keys):
+            raise RuntimeError("raw TransferQueue get returned the wrong number of rows")
+        del out
+        tq.get_client().clear_partition(pid)
+        if i:  # the first round is the warm-up
+            puts.append(t1 - t0)
+            gets.append(t2 - t1)
+    return puts, gets
+
+
+def reader_url(client: Any) -> tuple[str, dict[str, Any]]:
+    """Reader processes join the benchmark's Ray cluster and attach to its TransferQueue."""
+    import ray
+
+    return "tq://", {"ray_address": ray.get_runtime_context().gcs_address}
+
+
+BACKENDS: list[BenchBackend] = [
+    BenchBackend(
+        name="tq-simple",
+        url="tq://?backend=simple&timeout_s=600",
+        requires=("transfer_queue", "ray"),
+        raw=raw_seconds,
+        reader_url=reader_url,
+    ),
+    BenchBackend(
+        name="tq-mooncake",
+        url=f"tq://?backend=mooncake&timeout_s=600&segment_bytes={4 << 30}",
+        requires=("transfer_queue", "ray", "mooncake"),
+        raw=raw_seconds,
+        reader_url=reader_url,
+    ),
+]

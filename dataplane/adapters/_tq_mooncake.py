@@ -1,0 +1,189 @@
+"""The data path of TransferQueue's MooncakeStore backend, done by us with TQ's own store handle.
+
+TQ keeps one Mooncake object per (row, field) under the key ``"{global_index}@{field}"`` and lets the
+controller record dtypes and per-row shapes. We keep that layout (TQ's own readers still find the
+data) but move the bytes ourselves, because TQ's path cannot serve dataplane's contract:
+
+* Mooncake refuses zero-byte objects (``-600``, and TQ then retries for 3 s): a jagged row of length
+  0 could not be stored. We never store zero-byte values; their shape, recorded by the controller
+  like every other row's, is enough to rebuild them.
+* TQ retries every failed key three times with 1 s sleeps and reports codes only in a message; we
+  map codes ourselves (``-200`` is :class:`~dataplane.errors.CapacityExceeded`).
+* TQ's get runs the blocking Mooncake call inside its event loop and copies every row into a new
+  nested tensor. We read each field straight into one buffer per field (``batch_get_into`` at row
+  offsets): no copy after the transfer, and the loop stays free.
+
+Every function here blocks; callers run them in an executor thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dataplane.codec.jagged import offsets_from_lengths
+from dataplane.codec.wire import Column
+from dataplane.errors import BackendUnavailable, CapacityExceeded, DataPlaneError, KeyNotFound
+from dataplane.schema import FieldSchema
+
+__all__ = ["MooncakeData", "ReadPlan"]
+
+log = logging.getLogger(__name__)
+
+CHUNK_KEYS = 400  # keys per batch call (large cross-process batches fail in Mooncake's TCP lanes)
+_THREADS = 4
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+_NAMES = {
+    -200: "no space left in the Mooncake pool (NO_AVAILABLE_HANDLE)",
+    -600: "invalid parameters",
+    -703: "replica not ready",
+    -704: "object not found",
+    -706: "object has a lease",
+    -707: "lease expired",
+    -800: "transfer failed",
+    -900: "RPC to the master failed",
+    -901: "RPC to the master timed out",
+}
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="dataplane-tq-mooncake")
+        return _pool
+
+
+@dataclass(frozen=True, slots=True)
+class ReadPlan:
+    """What to read for one field: its schema and, for jagged/object fields, each row's length."""
+
+    schema: FieldSchema
+    lengths: Sequence[int] | None = None
+
+
+class MooncakeData:
+    """Put / get / remove of columns through TQ's ``MooncakeStoreClient`` (its ``_store``)."""
+
+    def __init__(self, storage_client: Any) -> None:
+        self._store = storage_client._store
+        self._config = storage_client.replica_config
+        if self._store is None:
+            raise BackendUnavailable("the Mooncake store client of TransferQueue is closed")
+
+    # ------------------------------------------------------------------ helpers
+    def _register(self, t: torch.Tensor) -> bool:
+        nbytes = t.numel() * t.element_size()
+        return nbytes > 0 and self._store.register_buffer(t.data_ptr(), nbytes) == 0
+
+    def _batches(self, fn: Any, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        spans = [(i, min(i + CHUNK_KEYS, len(keys))) for i in range(0, len(keys), CHUNK_KEYS)]
+        if len(spans) <= 1:
+            return list(fn(keys, ptrs, sizes)) if keys else []
+        parts = _executor().map(lambda s: list(fn(keys[s[0] : s[1]], ptrs[s[0] : s[1]], sizes[s[0] : s[1]])), spans)
+        return [code for part in parts for code in part]
+
+    @staticmethod
+    def _raise(op: str, keys: list[str], codes: list[int]) -> None:
+        bad = [(k, c) for k, c in zip(keys, codes, strict=True) if c < 0]
+        if not bad:
+            return
+        first_key, first = bad[0]
+        detail = f"{len(bad)} of {len(keys)} Mooncake {op}s failed, e.g. {first_key!r}: {first} ({_NAMES.get(first, 'error')})"
+        if any(c == -200 for _, c in bad):
+            raise CapacityExceeded(
+                f"{detail}; the Mooncake pool is full: clear consumed rows (kv_clear) or raise segment_bytes"
+            )
+        if op == "get" and all(c == -704 for _, c in bad):
+            raise KeyNotFound(f"{detail}; the rows were removed while being read (a concurrent kv_clear?)")
+        raise BackendUnavailable(f"{detail}; is the mooncake_master or the segment owner (the TQ owner) alive?")
+
+    # ------------------------------------------------------------------ operations
+    def put(self, global_indexes: Sequence[int], columns: Mapping[str, Column]) -> None:
+        keys: list[str] = []
+        ptrs: list[int] = []
+        sizes: list[int] = []
+        held: list[torch.Tensor] = []
+        registered: list[int] = []
+        try:
+            for field, col in columns.items():
+                values = col.values.contiguous()
+                held.append(values)
+                if self._register(values):
+                    registered.append(values.data_ptr())
+                es = values.element_size() * col.schema.row_numel  # bytes per row (dense) or per token
+                cuts = list(range(len(global_indexes) + 1)) if col.offsets is None else col.offsets.tolist()
+                base = values.data_ptr()
+                for gi, a, b in zip(global_indexes, cuts[:-1], cuts[1:], strict=True):
+                    if b > a:  # Mooncake refuses empty objects; a zero-length row needs no bytes
+                        keys.append(f"{gi}@{field}")
+                        ptrs.append(base + a * es)
+                        sizes.append((b - a) * es)
+            codes = self._batches(
+                lambda k, p, s: self._store.batch_upsert_from(k, p, s, config=self._config), keys, ptrs, sizes
+            )
+            self._raise("put", keys, codes)
+        finally:
+            for ptr in registered:
+                self._store.unregister_buffer(ptr)
+
+    def get(self, global_indexes: Sequence[int], plans: Mapping[str, ReadPlan]) -> dict[str, Column]:
+        n = len(global_indexes)
+        out: dict[str, Column] = {}
+        keys: list[str] = []
+        ptrs: list[int] = []
+        sizes: list[int] = []
+        registered: list[int] = []
+        try:
+            for field, plan in plans.items():
+                schema = plan.schema
+                es = torch.empty((), dtype=schema.dtype).element_size() * schema.row_numel
+                if plan.lengths is None:
+                    buf = torch.empty((n, *schema.inner_shape), dtype=schema.dtype)
+                    cuts = list(range(n + 1))
+                    out[field] = Column(schema, buf)
+                else:
+                    offsets = offsets_from_lengths(plan.lengths)
+                    cuts = offsets.tolist()
+                    buf = torch.empty((cuts[-1], *schema.inner_shape), dtype=schema.dtype)
+                    out[field] = Column(schema, buf, offsets)
+                if self._register(buf):
+                    registered.append(buf.data_ptr())
+                base = buf.data_ptr()
+                for gi, a, b in zip(global_indexes, cuts[:-1], cuts[1:], strict=True):
+                    if b > a:
+                        keys.append(f"{gi}@{field}")
+                        ptrs.append(base + a * es)
+                        sizes.append((b - a) * es)
+            got = self._batches(self._store.batch_get_into, keys, ptrs, sizes)
+            self._raise("get", keys, got)
+            short = [(k, g, s) for k, g, s in zip(keys, got, sizes, strict=True) if g != s]
+            if short:
+                k, g, s = short[0]
+                raise DataPlaneError(
+                    f"Mooncake returned {g} bytes for {k!r} where its recorded shape needs {s}; the row was "
+                    "rewritten while being read, or written by something other than dataplane"
+                )
+            return out
+        finally:
+            for ptr in registered:
+                self._store.unregister_buffer(ptr)
+
+    def remove(self, global_indexes: Sequence[int], fields: Sequence[str]) -> None:
+        keys = [f"{gi}@{f}" for f in fields for gi in global_indexes]
+        if not keys:
+            return
+        codes: list[int] = []
+        for i in range(0, len(keys), CHUNK_KEYS):
+            codes.extend(self._store.batch_remove(keys[i : i + CHUNK_KEYS], force=True))
+        failed = [(k, c) for k, c in zip(keys, codes, strict=True) if c not in (0, -704)]
+        if failed:
+            log.warning("dataplane: %d Mooncake removes failed, e.g. %r: %s", len(failed), *failed[0])

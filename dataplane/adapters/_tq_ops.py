@@ -1,0 +1,323 @@
+"""The TQ adapter's operations, as coroutines run on the TransferQueue client's loop thread.
+
+Controller round trips (ZMQ requests to the ``TransferQueueController``), measured by
+``tests/test_tq_conformance.py::test_round_trips``:
+
+* put: 3, like TQ's own ``kv_batch_put`` -- ``kv_retrieve_meta(create=True)`` for the schema keys of
+  the put's fields plus its keys (one request: allocates the new keys, returns recorded schemas,
+  tags and which keys exist), the storage write with its data-update notify, and one
+  ``set_custom_meta`` that commits row tags, markers and new schemas together. A write-back of
+  existing rows without tags and without new fields skips the last one (2).
+* get by meta (schema carried in ``meta.extra_info`` by the put): 1, like TQ's ``kv_batch_get``.
+* get by keys: 2, sent concurrently (the rows' metadata and the requested fields' schema keys), so
+  the latency is about one.
+
+Everything before the storage write is validation: a schema conflict raises ``SchemaError`` and
+only un-registers the keys the put had just created.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Mapping, Sequence
+from functools import partial
+from typing import Any
+
+from tensordict import TensorDict
+
+from dataplane.adapters._tq_deploy import TQDeployment
+from dataplane.adapters._tq_mooncake import MooncakeData, ReadPlan
+from dataplane.adapters._tq_wire import (
+    MARKER,
+    assemble,
+    decode_schemas,
+    is_reserved,
+    join_fields,
+    restore,
+    schema_key,
+    schema_tag,
+    signature_matches,
+    split_fields,
+    to_tq,
+)
+from dataplane.client import Listing
+from dataplane.codec.wire import Column
+from dataplane.errors import BackendUnavailable, DataPlaneError, KeyNotFound, SchemaError, missing_rows_error
+from dataplane.schema import FieldSchema, check_compatible
+
+__all__ = ["SCHEMA_EXTRA", "TQOps"]
+
+log = logging.getLogger(__name__)
+
+SCHEMA_EXTRA = "tq_schema"  # meta.extra_info key of the schemas a put wrote
+ROLLBACK_TIMEOUT_S = 10.0
+
+
+def _log_failure(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.warning("dataplane: rolling back a failed put failed; its new keys may remain: %s", fut.exception())
+
+
+class TQOps:
+    """Put / get / clear / list over one process's TransferQueue client."""
+
+    def __init__(self, dep: TQDeployment) -> None:
+        self.client = dep.client
+        self.manager = self.client.storage_manager
+        self.mooncake: MooncakeData | None = None
+        if dep.storage == "mooncake":
+            self.mooncake = MooncakeData(self.manager.storage_client)
+        # SimpleStorage: read the units' rows ourselves when this TQ has the pieces (0.1.11 does)
+        self._direct = self.mooncake is None and all(
+            hasattr(self.manager, a) for a in ("_group_by_hash", "_request_with_retry", "_get_from_single_storage_unit")
+        )
+        self.round_trips = 0  # controller requests sent through these ops
+        self._background: set[asyncio.Future[Any]] = set()
+
+    # ------------------------------------------------------------------ controller requests
+    async def _retrieve(self, pid: str, keys: list[str], *, create: bool = False) -> Any:
+        self.round_trips += 1
+        return await self.client.async_kv_retrieve_meta(keys=keys, partition_id=pid, create=create)
+
+    async def _set_tags(self, pid: str, gis: list[int], tags: list[dict[str, Any]]) -> None:
+        from transfer_queue.metadata import BatchMeta
+
+        if gis:
+            self.round_trips += 1
+            await self.client.async_set_custom_meta(BatchMeta(gis, [pid] * len(gis), custom_meta=tags))
+
+    async def _listing(self, pid: str | None) -> dict[str, dict[str, dict[str, Any]]]:
+        self.round_trips += 1
+        out: dict[str, dict[str, dict[str, Any]]] = await self.client.async_kv_list(pid)
+        return out
+
+    async def _in_thread(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    # ------------------------------------------------------------------ put
+    async def put(
+        self,
+        pid: str,
+        keys: Sequence[str],
+        columns: Mapping[str, Column],
+        tags: Sequence[Mapping[str, Any]] | None,
+        budget_s: float,
+    ) -> dict[str, Any]:
+        deadline = asyncio.get_running_loop().time() + budget_s
+        fields = list(columns)
+        nf = len(fields)
+        bm = await self._retrieve(pid, [schema_key(f) for f in fields] + list(keys), create=True)
+        if bm.size != nf + len(keys):
+            raise BackendUnavailable(f"TransferQueue registered {bm.size} of {nf + len(keys)} keys; is it overloaded?")
+        recorded = decode_schemas(bm.custom_meta[:nf])
+        old_tags: list[dict[str, Any]] = bm.custom_meta[nf:]
+        gis: list[int] = bm.global_indexes[nf:]
+        new_gis = [gi for gi, t in zip(gis, old_tags, strict=True) if MARKER not in t]
+        try:
+            for f, col in columns.items():
+                if f in recorded:
+                    check_compatible(pid, f, recorded[f], col.schema)
+        except SchemaError:
+            try:
+                await self._unregister(pid, new_gis)
+            except Exception as e:  # the SchemaError is what the caller must see
+                log.warning("dataplane: could not unregister %d keys of a rejected put: %s", len(new_gis), e)
+            raise
+        from transfer_queue.metadata import BatchMeta, extract_field_schema
+
+        rows = BatchMeta(gis, [pid] * len(gis))
+        writing: asyncio.Future[Any] | None = None
+        try:
+            td = TensorDict({f: to_tq(c) for f, c in columns.items()}, batch_size=[len(keys)])
+            if self.mooncake is None:
+                self.round_trips += 1  # the storage manager's data-update notify
+                await self.manager.put_data(td, rows)
+            else:
+                writing = asyncio.ensure_future(self._in_thread(self.mooncake.put, gis, columns))
+                await asyncio.shield(writing)  # a timeout must not orphan the write (see _rollback)
+                self.round_trips += 1
+                await self.manager.notify_data_update(pid, gis, extract_field_schema(td), None)
+            commit_gis, commit_tags = [], []
+            for i, (gi, old) in enumerate(zip(gis, old_tags, strict=True)):
+                marked = join_fields(split_fields(old.get(MARKER)) | set(fields))
+                if tags is None and old.get(MARKER) == marked:
+                    continue  # nothing to change: skip, and leave concurrent tag updates alone
+                commit_gis.append(gi)
+                commit_tags.append({**old, **(tags[i] if tags is not None else {}), MARKER: marked})
+            for j, f in enumerate(fields):
+                if f not in recorded:
+                    commit_gis.append(bm.global_indexes[j])
+                    commit_tags.append(schema_tag(f, columns[f].schema))
+            await self._set_tags(pid, commit_gis, commit_tags)
+        except BaseException as e:
+            if isinstance(e, asyncio.CancelledError) and (task := asyncio.current_task()) is not None:
+                task.uncancel()  # the caller has timed out already: the rollback goes on in the background
+            undo = asyncio.ensure_future(
+                asyncio.wait_for(self._rollback(pid, new_gis, fields, writing), ROLLBACK_TIMEOUT_S)
+            )
+            self._background.add(undo)
+            undo.add_done_callback(self._background.discard)
+            undo.add_done_callback(_log_failure)
+            left = deadline - asyncio.get_running_loop().time() - 0.25  # answer before the caller's own bound
+            with contextlib.suppress(Exception):  # wait for it while the call's budget lasts
+                await asyncio.wait_for(asyncio.shield(undo), max(0.0, left))
+            raise
+        return {SCHEMA_EXTRA: {f: c.schema.to_dict() for f, c in columns.items()}}
+
+    async def _unregister(self, pid: str, gis: list[int]) -> None:
+        """Forget keys that hold no data (controller only)."""
+        from transfer_queue.metadata import BatchMeta
+
+        if gis:
+            self.round_trips += 1
+            await self.client._clear_meta_in_controller(BatchMeta(gis, [pid] * len(gis)))
+
+    async def _rollback(self, pid: str, new_gis: list[int], fields: list[str], writing: Any) -> None:
+        """Remove the rows a failed put created: their bytes, then their keys."""
+        from transfer_queue.metadata import BatchMeta
+
+        if writing is not None and not writing.done():
+            await asyncio.shield(writing)  # let the Mooncake write finish before removing what it wrote
+        if not new_gis:
+            return
+        meta = BatchMeta(new_gis, [pid] * len(new_gis))
+        try:  # best effort: a dead storage unit must not keep the keys registered
+            if self.mooncake is None:
+                await asyncio.wait_for(self.manager.clear_data(meta), ROLLBACK_TIMEOUT_S / 2)
+            else:
+                await asyncio.wait_for(self._in_thread(self.mooncake.remove, new_gis, fields), ROLLBACK_TIMEOUT_S / 2)
+        except Exception as e:
+            log.warning("dataplane: rollback could not remove the data of %d rows: %s", len(new_gis), e)
+        await self._unregister(pid, new_gis)
+
+    # ------------------------------------------------------------------ get
+    async def get(
+        self, pid: str, keys: Sequence[str], fields: Sequence[str], carried: Mapping[str, Any] | None
+    ) -> dict[str, Column]:
+        skeys = [schema_key(f) for f in fields]
+        known = {f: FieldSchema.from_dict(carried[f]) for f in fields if carried and f in carried}
+        if len(known) == len(fields):
+            bm = await self._retrieve(pid, list(keys))
+            seen = bm.field_schema
+            if not all(signature_matches(known[f], seen[f]) for f in fields if f in seen):
+                known = decode_schemas((await self._retrieve(pid, skeys)).custom_meta)
+        else:
+            bm, sm = await asyncio.gather(self._retrieve(pid, list(keys)), self._retrieve(pid, skeys))
+            known = decode_schemas(sm.custom_meta)
+        if bm.size != len(keys):
+            raise await self._missing_keys(pid, keys)
+        absent = [f for f in fields if f not in bm.field_schema or f not in known]
+        if absent:
+            markers = [split_fields(t.get(MARKER)) for t in bm.custom_meta]
+            missing = {}
+            for f in absent:
+                lacking = [k for k, m in zip(keys, markers, strict=True) if f not in m or f not in known]
+                missing[f] = lacking or list(keys)
+            raise missing_rows_error(pid, (), missing)
+        n = len(keys)
+        if self.mooncake is not None:
+            plans = {f: ReadPlan(known[f], self._lengths(f, known[f], bm.field_schema[f], n)) for f in fields}
+            got: dict[str, Column] = await self._in_thread(self.mooncake.get, bm.global_indexes, plans)
+            return got
+        if self._direct:
+            return await self._simple_get(bm.global_indexes, list(fields), known)
+        td = await self.manager.get_data(bm.select_fields(list(fields)))
+        return {f: restore(f, known[f], td.get(f), n) for f in fields}
+
+    async def _simple_get(
+        self, gis: list[int], fields: list[str], schemas: Mapping[str, FieldSchema]
+    ) -> dict[str, Column]:
+        """SimpleStorage get that builds our columns from the units' rows: one copy per field.
+
+        TQ's own ``get_data`` packs every field into a nested tensor first (a copy, and ~0.5 ms of
+        nested-tensor bookkeeping per field) that we would only take apart again.
+        """
+        m = self.manager
+        routing = m._group_by_hash(gis)
+        results = await asyncio.gather(
+            *(
+                m._request_with_retry(
+                    "get",
+                    su,
+                    f"samples={len(group.global_indexes)} fields={fields}",
+                    partial(m._get_from_single_storage_unit, group.global_indexes, fields, target_storage_unit=su),
+                )
+                for su, group in routing.items()
+            )
+        )
+        out: dict[str, Column] = {}
+        for f in fields:
+            rows: list[Any] = [None] * len(gis)
+            for group, (_, data) in zip(routing.values(), results, strict=True):
+                for i, pos in enumerate(group.batch_positions):
+                    rows[pos] = data[f][i]
+            out[f] = assemble(f, schemas[f], rows)
+        return out
+
+    @staticmethod
+    def _lengths(field: str, schema: FieldSchema, tq: Mapping[str, Any], n: int) -> list[int] | None:
+        if schema.kind == "dense":
+            return None
+        shapes = tq.get("per_sample_shapes")
+        if not shapes or len(shapes) != n or any(s is None or tuple(s[1:]) != schema.inner_shape for s in shapes):
+            raise DataPlaneError(
+                f"TransferQueue's record of field {field!r} does not match {schema.describe()}; the partition was "
+                "probably written by something other than dataplane"
+            )
+        return [int(s[0]) for s in shapes]
+
+    async def _missing_keys(self, pid: str, keys: Sequence[str]) -> KeyNotFound:
+        rows = (await self._listing(pid)).get(pid, {})
+        missing = [k for k in keys if k not in rows]
+        return missing_rows_error(pid, missing or list(keys))
+
+    # ------------------------------------------------------------------ clear / list
+    async def clear(self, pid: str, keys: Sequence[str] | None) -> None:
+        if keys is None:
+            await self._drop_partition(pid)
+            return
+        bm = await self._retrieve(pid, [k for k in keys if not is_reserved(k)])
+        if bm.size == 0:
+            return
+        fields = set(bm.field_names).union(*(split_fields(t.get(MARKER)) for t in bm.custom_meta))
+        self.round_trips += 1
+        await self.client._mark_clearing_in_controller(bm)
+        if self.mooncake is None:
+            await self.manager.clear_data(bm)
+        else:
+            await self._in_thread(self.mooncake.remove, bm.global_indexes, sorted(fields))
+        self.round_trips += 1
+        await self.client._clear_meta_in_controller(bm)
+        rows = (await self._listing(pid)).get(pid)
+        if rows is not None and all(is_reserved(k) for k in rows):
+            await self._drop_partition(pid)  # its last row is gone: forget its schema too
+
+    async def _drop_partition(self, pid: str) -> None:
+        self.round_trips += 1
+        meta = await self.client._get_partition_meta(pid)
+        if meta is None:
+            return
+        if meta.size:
+            self.round_trips += 1
+            await self.client._mark_clearing_in_controller(meta)
+            if meta.field_names:
+                if self.mooncake is None:
+                    await self.manager.clear_data(meta)
+                else:
+                    await self._in_thread(self.mooncake.remove, meta.global_indexes, meta.field_names)
+        self.round_trips += 1
+        await self.client._clear_partition_in_controller(pid)
+
+    async def list(self, pid: str | None) -> Listing:
+        out: Listing = {}
+        for p, rows in (await self._listing(pid)).items():
+            visible = {
+                k: {t: v for t, v in tags.items() if t != MARKER}
+                for k, tags in rows.items()
+                if MARKER in tags and not is_reserved(k)
+            }
+            if visible:
+                out[p] = visible
+        return out

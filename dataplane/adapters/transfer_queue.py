@@ -1,0 +1,328 @@
+"""``tq://``: TransferQueue (Ray-based) with its ``simple`` or ``mooncake`` storage backend.
+
+One TransferQueue runs per Ray cluster. The first process to connect with a ``backend`` starts it
+(Ray too, if the process has none) and owns it; every other process -- a Ray actor typically just
+calls ``dataplane.connect("tq://")`` -- attaches. Only the owner's last client tears the deployment
+down (its actors, its ``mooncake_master``, and Ray if it started Ray); anyone else's ``close()``
+closes only that client. TQ's client is process-global, so all clients of one process share one
+attachment, refcounted.
+
+What the adapter adds on top of TQ (``shared/research/tq.md``, ``scratch/tq/NOTES.md``): a
+per-(partition, field) schema kept in the partition itself and checked before anything is written;
+exact shapes, dtypes and kinds on the way back; object columns as msgpack bytes (TQ never pickles);
+no phantom keys after a failed put; gets that raise ``KeyNotFound`` naming what is missing where TQ
+silently drops it; a timeout on every call; TQ's capacity errors and Mooncake's ``-200`` as
+``CapacityExceeded``. Layout and round trips: :mod:`dataplane.adapters._tq_wire`,
+:mod:`dataplane.adapters._tq_ops`.
+
+On a failed put (a storage error, a timeout) the keys the put created are removed again. Keys that
+existed before keep their tags and their other fields, but each field the put was writing may hold
+its old or its new value on each of them (TQ has no transactions): re-write or clear them.
+
+>>> import dataplane  # doctest: +SKIP
+>>> with dataplane.connect("tq://?backend=simple") as client:  # doctest: +SKIP
+...     meta = client.kv_batch_put(["a", "b"], {"x": torch.zeros(2, 3)}, partition_id="train")
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+from urllib.parse import parse_qs, urlparse
+
+from dataplane.adapters import _tq_deploy
+from dataplane.adapters._tq_ops import SCHEMA_EXTRA, TQOps
+from dataplane.adapters._tq_wire import MARKER, RESERVED_PREFIX
+from dataplane.client import Capabilities, Listing
+from dataplane.codec.wire import Column
+from dataplane.errors import (
+    BackendUnavailable,
+    CapacityExceeded,
+    ClientClosed,
+    DataPlaneError,
+    DataPlaneTimeout,
+    InvalidArgument,
+)
+from dataplane.meta import KVBatchMeta
+from dataplane.store import KVStore, StoreClient
+
+__all__ = ["TQConfig", "TQStore", "attached_clients", "connect"]
+
+log = logging.getLogger(__name__)
+
+_GIB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TQConfig:
+    """Options of ``tq://`` (each is also a URL query parameter: ``tq://?backend=simple&units=2``).
+
+    Attributes:
+        backend: ``"simple"`` (TQ's SimpleStorage actors keep the rows in their heap) or
+            ``"mooncake"`` (Mooncake Store over TCP; a ``mooncake_master`` is started on free
+            loopback ports and stopped by PID, never TQ's ``auto_init``). ``None``: attach to the
+            TransferQueue this Ray cluster already runs, never start one (what Ray actors use).
+        units: SimpleStorage units, one Ray actor and one Ray CPU each.
+        capacity_rows: SimpleStorage capacity, in rows per unit (TQ's ``total_storage_size`` split
+            over the units); a put beyond it raises ``CapacityExceeded``. ``None``: unbounded.
+        segment_bytes: Mooncake: memory the owner lends to the pool, i.e. its capacity; a put
+            that does not fit raises ``CapacityExceeded`` (objects are hard-pinned, never evicted).
+        worker_segment_bytes: Mooncake: memory each attached process lends. 0 (default) keeps all
+            rows in the owner's segment, so they survive workers that exit.
+        master: Mooncake: join this ``host:port`` master instead of starting one (never stopped).
+        ray_address: Ray cluster to join (also the URL's host, ``tq://host:6379``). ``None``: the
+            process's Ray, else ``$RAY_ADDRESS``, else a local Ray started (and later stopped) here.
+        num_cpus: CPUs of a local Ray started here (default: TQ's actors + ``max(2, cores)``).
+        timeout_s: bound on every call. TQ's own storage timeouts are derived from it, so a dead
+            storage unit raises ``BackendUnavailable`` and a hung controller ``DataPlaneTimeout``
+            within it.
+        init_timeout_s: bound on starting or attaching to TransferQueue (``tq.init`` hangs forever
+            when Ray lacks CPUs; we check first and bound it anyway).
+        pickle_fields: object fields this client may write and read with pickle (opt-in by name).
+    """
+
+    scheme: ClassVar[str] = "tq"
+
+    backend: Literal["simple", "mooncake"] | None = None
+    units: int = 1
+    capacity_rows: int | None = None
+    segment_bytes: int = _GIB
+    worker_segment_bytes: int = 0
+    master: str | None = None
+    ray_address: str | None = None
+    num_cpus: int | None = None
+    timeout_s: float = 60.0
+    init_timeout_s: float = 120.0
+    pickle_fields: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.backend not in (None, "simple", "mooncake"):
+            raise InvalidArgument(f"backend must be 'simple', 'mooncake' or None, got {self.backend!r}")
+        if self.timeout_s <= 0 or self.init_timeout_s <= 0:
+            raise InvalidArgument("timeout_s and init_timeout_s must be > 0")
+        if self.capacity_rows is not None and self.backend == "mooncake":
+            raise InvalidArgument("capacity_rows bounds backend=simple; size backend=mooncake with segment_bytes")
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> TQConfig:
+        parsed = urlparse(url)
+        if parsed.scheme != "tq":
+            raise InvalidArgument(f"not a tq:// URL: {url!r}")
+        values: dict[str, Any] = {}
+        for key, raw in ((k, v[-1]) for k, v in parse_qs(parsed.query).items()):
+            if key in ("units", "capacity_rows", "segment_bytes", "worker_segment_bytes", "num_cpus"):
+                values[key] = int(float(raw))
+            elif key in ("timeout_s", "init_timeout_s"):
+                values[key] = float(raw)
+            elif key == "pickle_fields":
+                values[key] = tuple(x for x in raw.split(",") if x)
+            elif key in ("backend", "master", "ray_address"):
+                values[key] = raw or None
+            else:
+                raise InvalidArgument(f"unknown tq:// option {key!r}; known: {sorted(cls.__dataclass_fields__)}")
+        if parsed.netloc:
+            values.setdefault("ray_address", parsed.netloc)
+        return cls(**{**values, **options})
+
+    def deploy_config(self) -> _tq_deploy.TQDeployConfig:
+        return _tq_deploy.TQDeployConfig(
+            storage=self.backend or "simple",
+            attach_only=self.backend is None,
+            num_storage_units=self.units,
+            storage_capacity_rows=self.capacity_rows,
+            ray_address=self.ray_address,
+            ray_num_cpus=self.num_cpus,
+            init_timeout_s=self.init_timeout_s,
+            op_timeout_s=self.timeout_s,
+            mooncake_master_address=self.master,
+            mooncake_segment_bytes=self.segment_bytes,
+            mooncake_worker_segment_bytes=self.worker_segment_bytes,
+        )
+
+
+# One TransferQueue client per process (TQ keeps it in a module global): every tq:// client of this
+# process shares one deployment handle, refcounted; the last one to close closes the handle.
+_SHARED_LOCK = threading.Lock()
+_SHARED: _tq_deploy.TQDeployment | None = None
+_SHARED_REFS = 0
+
+
+def _acquire(cfg: _tq_deploy.TQDeployConfig) -> _tq_deploy.TQDeployment:
+    """The process's deployment handle, started or attached on first use (``ValueError`` when ``cfg``
+    asks for another storage than the one this process is on)."""
+    global _SHARED, _SHARED_REFS
+    with _SHARED_LOCK:
+        dep = _SHARED
+        if dep is not None and (dep.closed or _client_gone()):
+            log.warning("the TransferQueue client of this process was closed behind dataplane's back; reopening")
+            _SHARED, _SHARED_REFS, dep = None, 0, None
+        if dep is None:
+            dep = _tq_deploy.start_or_attach(cfg)
+            _SHARED, _SHARED_REFS = dep, 0
+        elif not cfg.attach_only and dep.storage != cfg.storage:
+            raise ValueError(
+                f"this process is already on a TransferQueue with backend {dep.storage!r}; one runs per Ray "
+                f"cluster, so backend {cfg.storage!r} cannot open next to it (close its clients first, or "
+                f"connect with 'tq://' to use it)"
+            )
+        _SHARED_REFS += 1
+        return dep
+
+
+def _release(dep: _tq_deploy.TQDeployment) -> None:
+    global _SHARED, _SHARED_REFS
+    with _SHARED_LOCK:
+        if dep is _SHARED:
+            _SHARED_REFS -= 1
+            if _SHARED_REFS > 0:
+                return
+            _SHARED, _SHARED_REFS = None, 0
+    dep.close()  # the owner tears the deployment down; anyone else closes only its client
+
+
+def attached_clients() -> int:
+    """How many open ``tq://`` clients this process has (they share one TransferQueue client)."""
+    with _SHARED_LOCK:
+        return _SHARED_REFS if _SHARED is not None else 0
+
+
+def _client_gone() -> bool:
+    itf = sys.modules.get("transfer_queue.interface")
+    return itf is None or getattr(itf, "_TQ_CLIENT", None) is None
+
+
+def _map_error(op: str, e: BaseException) -> DataPlaneError:
+    text = f"{type(e).__name__}: {e}"
+    if "capacity exceeded" in text.lower():
+        return CapacityExceeded(
+            f"TransferQueue is full ({text}); clear consumed rows (kv_clear) or raise capacity_rows"
+        )
+    if "StorageUnitTimeout" in text or "no answer in" in text:
+        return BackendUnavailable(f"TransferQueue {op}: a storage unit does not answer ({text}); is it alive?")
+    return BackendUnavailable(f"TransferQueue {op} failed: {text}")
+
+
+class TQStore(KVStore):
+    """One dataplane client's view of the process's TransferQueue attachment."""
+
+    def __init__(self, config: TQConfig) -> None:
+        self.config = config
+        try:
+            self._dep = _acquire(config.deploy_config())
+        except (RuntimeError, ValueError, OSError, ImportError) as e:
+            kind = InvalidArgument if isinstance(e, ValueError) else BackendUnavailable
+            raise kind(f"cannot open tq:// ({type(e).__name__}: {e})") from e
+        except TimeoutError as e:
+            raise DataPlaneTimeout(f"TransferQueue did not start or attach in time: {e}") from e
+        try:
+            self._ops = TQOps(self._dep)
+        except BaseException:
+            _release(self._dep)
+            raise
+        self.backend = self._dep.storage
+        self._closed = False
+        self._lock = threading.Lock()
+        self._caps = Capabilities(backend="transfer_queue", cross_process=True, cross_node=True)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._caps
+
+    @property
+    def deployment(self) -> _tq_deploy.TQDeployment:
+        return self._dep
+
+    @property
+    def round_trips(self) -> int:
+        """Controller requests this client has sent so far."""
+        return self._ops.round_trips
+
+    def _run(self, op: str, factory: Any, *args: Any, timeout_s: float) -> Any:
+        if self._closed:
+            raise ClientClosed("this tq:// client is closed; create a new one with dataplane.connect()")
+        try:
+            return self._dep.run(factory, *args, timeout=timeout_s)
+        except DataPlaneError:
+            raise
+        except TimeoutError as e:
+            raise DataPlaneTimeout(
+                f"TransferQueue {op} did not finish within {timeout_s:g}s; the controller, a storage unit or the "
+                "mooncake_master may be hung or dead"
+            ) from e
+        except (RuntimeError, ValueError, OSError, ConnectionError) as e:
+            raise _map_error(op, e) from e
+        except Exception as e:
+            if type(e).__module__.startswith("zmq"):
+                raise _map_error(op, e) from e
+            raise
+
+    def validate_keys(self, keys: Sequence[str]) -> None:
+        bad = [k for k in keys if k.startswith(RESERVED_PREFIX)]
+        if bad:
+            raise InvalidArgument(f"keys starting with {RESERVED_PREFIX!r} are reserved by dataplane: {bad[:4]}")
+
+    def put(
+        self,
+        partition_id: str,
+        keys: Sequence[str],
+        columns: Mapping[str, Column],
+        tags: Sequence[Mapping[str, Any]] | None,
+        *,
+        timeout_s: float,
+    ) -> dict[str, Any] | None:
+        if tags is not None and any(MARKER in t for t in tags):
+            raise InvalidArgument(f"the tag name {MARKER!r} is reserved by dataplane")
+        out: dict[str, Any] = self._run(
+            "put", self._ops.put, partition_id, keys, columns, tags, timeout_s, timeout_s=timeout_s
+        )
+        return out
+
+    def get(
+        self,
+        partition_id: str,
+        keys: Sequence[str],
+        fields: Sequence[str],
+        *,
+        meta: KVBatchMeta | None,
+        timeout_s: float,
+    ) -> Mapping[str, Column]:
+        carried = meta.extra_info.get(SCHEMA_EXTRA) if meta is not None else None
+        carried = carried if isinstance(carried, Mapping) else None
+        out: Mapping[str, Column] = self._run(
+            "get", self._ops.get, partition_id, keys, fields, carried, timeout_s=timeout_s
+        )
+        return out
+
+    def clear(self, partition_id: str, keys: Sequence[str] | None, *, timeout_s: float) -> None:
+        self._run("clear", self._ops.clear, partition_id, keys, timeout_s=timeout_s)
+
+    def list(self, partition_id: str | None, *, timeout_s: float) -> Listing:
+        out: Listing = self._run("list", self._ops.list, partition_id, timeout_s=timeout_s)
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        _release(self._dep)
+
+
+def connect(url_or_config: str | TQConfig | None = None, **options: Any) -> StoreClient:
+    """Open a ``tq://`` client (see :class:`TQConfig` for the options).
+
+    ``connect("tq://?backend=simple")`` starts TransferQueue with SimpleStorage unless this Ray
+    cluster already runs one (then it attaches); ``connect("tq://")`` only attaches.
+    """
+    if isinstance(url_or_config, TQConfig):
+        cfg = url_or_config
+        if options:
+            cfg = TQConfig(**{**{f: getattr(cfg, f) for f in cfg.__dataclass_fields__}, **options})
+    else:
+        cfg = TQConfig.from_url(url_or_config or "tq://", **options)
+    store = TQStore(cfg)
+    return StoreClient(store, timeout_s=cfg.timeout_s, pickle_fields=cfg.pickle_fields)

@@ -1,0 +1,83 @@
+"""The shipped conformance suite, unchanged, on ``tq://`` with SimpleStorage and with MooncakeStore.
+
+One real local Ray for the module and one TransferQueue deployment per backend (one class each):
+the fixture's client owns it, and every client the suite makes attaches to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from conftest_tq import ray_for_module, requires_mooncake, requires_tq
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+import dataplane
+from dataplane.client import DataPlaneClient
+from dataplane.testing import ClientConformance, make_state_machine
+
+pytestmark = [pytest.mark.tq, requires_tq]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    yield from ray_for_module()
+
+
+class _TQConformance(ClientConformance):
+    url = ""
+
+    @pytest.fixture(scope="class", autouse=True)
+    def deployment(self, ray_cluster: None) -> Iterator[DataPlaneClient]:
+        owner = dataplane.connect(self.url)
+        yield owner
+        owner.close()
+
+    def make_client(self, **options: Any) -> DataPlaneClient:
+        return dataplane.connect("tq://", **options)
+
+    def test_state_machine(self, client: DataPlaneClient) -> None:
+        run_state_machine_as_test(
+            make_state_machine(lambda: client),
+            settings=settings(
+                max_examples=12,
+                stateful_step_count=8,
+                deadline=None,
+                derandomize=True,
+                suppress_health_check=list(HealthCheck),
+            ),
+        )
+
+    def test_round_trips(self, client: DataPlaneClient) -> None:
+        """Controller requests per call: put 3 (2 for a plain write-back), get by meta 1, by keys 2."""
+        store: Any = getattr(client, "store")  # noqa: B009 - StoreClient's store
+        pid = "round-trips"
+        try:
+            keys = [f"k{i}" for i in range(16)]
+            fields = {"ids": torch.arange(16).view(16, 1).expand(16, 8), "lp": torch.zeros(16, 8)}
+            before = store.round_trips
+            meta = client.kv_batch_put(keys, fields, partition_id=pid)
+            assert store.round_trips - before == 3
+            before = store.round_trips
+            client.kv_batch_get(meta, select_fields=["ids", "lp"])
+            assert store.round_trips - before == 1
+            before = store.round_trips
+            client.kv_batch_get(keys, partition_id=pid, select_fields=["ids"])
+            assert store.round_trips - before == 2
+            before = store.round_trips
+            client.kv_batch_put(keys, {"lp": torch.ones(16, 8)}, partition_id=pid)
+            assert store.round_trips - before == 2
+        finally:
+            client.kv_clear(partition_id=pid)
+
+
+class TestTQSimpleConformance(_TQConformance):
+    url = "tq://?backend=simple&timeout_s=60"
+
+
+@requires_mooncake
+class TestTQMooncakeConformance(_TQConformance):
+    url = f"tq://?backend=mooncake&timeout_s=60&segment_bytes={512 << 20}"
