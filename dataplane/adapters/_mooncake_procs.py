@@ -52,8 +52,10 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO, Any
 
 __all__ = [
     "MasterHandle",
@@ -211,7 +213,7 @@ def _tcp_connectable(host: str, port: int, timeout_s: float) -> bool:
 # spawning (orphan-safe)
 
 
-def _load_libc():
+def _load_libc() -> Any:
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -225,7 +227,7 @@ def _load_libc():
 _LIBC = _load_libc()
 
 
-def _make_preexec(parent_pid: int, deathsig: int):
+def _make_preexec(parent_pid: int, deathsig: int) -> Callable[[], None]:
     libc = _LIBC
 
     def _preexec() -> None:  # runs in the child between fork and exec
@@ -243,11 +245,11 @@ class _Spawner:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._q: queue.SimpleQueue | None = None
+        self._q: queue.SimpleQueue[Any] | None = None
         self._thread: threading.Thread | None = None
         self._owner_pid = -1
 
-    def _ensure(self) -> queue.SimpleQueue:
+    def _ensure(self) -> queue.SimpleQueue[Any]:
         with self._lock:
             if self._thread is None or not self._thread.is_alive() or self._owner_pid != os.getpid():
                 self._q = queue.SimpleQueue()
@@ -260,7 +262,7 @@ class _Spawner:
             return self._q
 
     @staticmethod
-    def _run(q: queue.SimpleQueue) -> None:
+    def _run(q: queue.SimpleQueue[Any]) -> None:
         while True:
             argv, kwargs, box, done = q.get()
             try:
@@ -269,23 +271,24 @@ class _Spawner:
                 box.append(e)
             done.set()
 
-    def popen(self, argv: list[str], **kwargs) -> subprocess.Popen:
+    def popen(self, argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
         if threading.current_thread() is self._thread and self._owner_pid == os.getpid():
             return subprocess.Popen(argv, **kwargs)
         q = self._ensure()
-        box: list = []
+        box: list[Any] = []
         done = threading.Event()
         q.put((argv, kwargs, box, done))
         done.wait()
         if isinstance(box[0], BaseException):
             raise box[0]
-        return box[0]
+        proc: subprocess.Popen[bytes] = box[0]
+        return proc
 
 
 _SPAWNER = _Spawner()
 
 
-def _spawn(argv: list[str], **kwargs) -> subprocess.Popen:
+def _spawn(argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
     kwargs.setdefault("close_fds", True)
     # Own session: a terminal ^C goes to our process only; we stop the children in order.
     kwargs.setdefault("start_new_session", True)
@@ -333,7 +336,7 @@ def _tail(path: str | None, n: int = 40) -> str:
 class _ProcHandle:
     pid: int
     log_path: str | None
-    _proc: subprocess.Popen | None
+    _proc: subprocess.Popen[bytes] | None
 
     def alive(self) -> bool:
         """True while the process runs (reaps it if it has exited)."""
@@ -402,7 +405,7 @@ class MasterHandle(_ProcHandle):
     pid: int
     http_metadata_port: int | None = None  # reserved; only bound with --enable_http_metadata_server
     log_path: str | None = None
-    _proc: subprocess.Popen | None = field(default=None, repr=False)
+    _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
     def address(self) -> str:
@@ -418,35 +421,49 @@ class MasterHandle(_ProcHandle):
     def __enter__(self) -> MasterHandle:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 
 def _try_start_master(
-    binary: str, host: str, ports: list[int], socks: list[socket.socket], flags: list[str],
-    startup_timeout_s: float, settle_s: float = 2.5,
+    binary: str,
+    host: str,
+    ports: list[int],
+    socks: list[socket.socket],
+    flags: list[str],
+    startup_timeout_s: float,
+    settle_s: float = 2.5,
 ) -> tuple[MasterHandle | None, str]:
     rpc, metrics, http = ports
     argv = [
         binary,
-        f"--rpc_address={host}", f"--rpc_port={rpc}",
-        f"--metrics_host={host}", f"--metrics_port={metrics}",
-        f"--http_metadata_server_host={host}", f"--http_metadata_server_port={http}",
+        f"--rpc_address={host}",
+        f"--rpc_port={rpc}",
+        f"--metrics_host={host}",
+        f"--metrics_port={metrics}",
+        f"--http_metadata_server_host={host}",
+        f"--http_metadata_server_port={http}",
         *flags,
     ]
     log_fd, log_path = tempfile.mkstemp(prefix="dataplane-mooncake-master-", suffix=".log")
     try:
         for s in socks:
             s.close()
-        proc = _spawn(argv, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=subprocess.STDOUT,
-                      env=child_env())
+        proc = _spawn(argv, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=subprocess.STDOUT, env=child_env())
     except BaseException:
         os.close(log_fd)
         os.unlink(log_path)
         raise
     os.close(log_fd)
-    h = MasterHandle(host=host, rpc_port=rpc, metrics_port=metrics, pid=proc.pid,
-                     http_metadata_port=http, log_path=log_path, _proc=proc)
+    h = MasterHandle(
+        host=host,
+        rpc_port=rpc,
+        metrics_port=metrics,
+        pid=proc.pid,
+        http_metadata_port=http,
+        log_path=log_path,
+        _proc=proc,
+    )
     _LIVE.add(h)
     deadline = time.monotonic() + startup_timeout_s
     while True:
@@ -461,8 +478,10 @@ def _try_start_master(
     # An RPC-port clash only shows ~2 s after "serving": the master exits rc=1 with no message.
     while time.monotonic() - t_ok < settle_s:
         if proc.poll() is not None:
-            return h, (f"exited rc={proc.returncode} {time.monotonic() - t_ok:.1f}s after /health was ok "
-                       f"(port clash on rpc {rpc}?)")
+            return h, (
+                f"exited rc={proc.returncode} {time.monotonic() - t_ok:.1f}s after /health was ok "
+                f"(port clash on rpc {rpc}?)"
+            )
         time.sleep(0.1)
     if not _http_health(host, metrics, 2.0):
         return h, "/health no longer ok after settling"
@@ -508,8 +527,10 @@ def start_master(
         tail = h.tail_log(25) if h is not None else "(not started)"
         if h is not None:
             h.stop(timeout_s=5.0)
-        failures.append(f"attempt {i + 1}/{attempts} (rpc={ports[0]} metrics={ports[1]} "
-                        f"http={ports[2]}): {why}\n--- master log tail ---\n{tail}")
+        failures.append(
+            f"attempt {i + 1}/{attempts} (rpc={ports[0]} metrics={ports[1]} "
+            f"http={ports[2]}): {why}\n--- master log tail ---\n{tail}"
+        )
     raise RuntimeError("mooncake_master failed to start:\n" + "\n".join(failures))
 
 
@@ -525,7 +546,14 @@ class StoreServerHandle(_ProcHandle):
     segment_bytes: int
     segment_name: str = ""  # store.get_hostname(), e.g. "127.0.0.1:13776" (ReplicateConfig.preferred_segment)
     log_path: str | None = None
-    _proc: subprocess.Popen | None = field(default=None, repr=False)
+    _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    def request_stop(self) -> None:
+        """Ask the server to stop (EOF on stdin, SIGTERM) without waiting; ``stop()`` then reaps it."""
+        self._before_stop()
+        p = self._proc
+        if p is not None and p.poll() is None:
+            p.send_signal(signal.SIGTERM)
 
     def _before_stop(self) -> None:
         # EOF on stdin is the server's second stop signal (it also handles SIGTERM).
@@ -539,7 +567,7 @@ class StoreServerHandle(_ProcHandle):
     def __enter__(self) -> StoreServerHandle:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 
@@ -547,7 +575,7 @@ def _package_root() -> str:
     return str(Path(__file__).resolve().parents[2])  # .../<root>/dataplane/adapters/this.py
 
 
-def _read_line(fd_file, timeout_s: float, proc: subprocess.Popen) -> tuple[str | None, str]:
+def _read_line(fd_file: IO[bytes], timeout_s: float, proc: subprocess.Popen[bytes]) -> tuple[str | None, str]:
     """Read one line from a binary pipe with a deadline. Returns (line, reason-if-none)."""
     buf = b""
     fd = fd_file.fileno()
@@ -574,6 +602,7 @@ def start_store_server(
     startup_timeout_s: float = 60,
     local_buffer_bytes: int = 16 << 20,
     protocol: str = "tcp",
+    rdma_devices: str = "",
     launch: str = "module",
     env: dict[str, str] | None = None,
 ) -> StoreServerHandle:
@@ -591,9 +620,20 @@ def start_store_server(
     if not _tcp_connectable(mhost.strip("[]"), int(mport), 3.0):
         raise RuntimeError(f"mooncake master {addr} is not reachable (TCP connect failed)")
     server_args = [
-        "--master", addr, "--host", host, "--segment-bytes", str(int(segment_bytes)),
-        "--local-buffer-bytes", str(int(local_buffer_bytes)), "--protocol", protocol,
-        "--parent-pid", str(os.getpid()),
+        "--master",
+        addr,
+        "--host",
+        host,
+        "--segment-bytes",
+        str(int(segment_bytes)),
+        "--local-buffer-bytes",
+        str(int(local_buffer_bytes)),
+        "--protocol",
+        protocol,
+        "--rdma-devices",
+        rdma_devices,
+        "--parent-pid",
+        str(os.getpid()),
     ]
     extra_env: dict[str, str] = dict(env or {})
     if launch == "module":
@@ -608,37 +648,40 @@ def start_store_server(
         raise ValueError("launch must be 'module' or 'path'")
     log_fd, log_path = tempfile.mkstemp(prefix="dataplane-mooncake-server-", suffix=".log")
     try:
-        proc = _spawn(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_fd,
-                      env=child_env(extra_env), bufsize=0)
+        proc = _spawn(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_fd, env=child_env(extra_env), bufsize=0
+        )
     except BaseException:
         os.close(log_fd)
         os.unlink(log_path)
         raise
     os.close(log_fd)
-    h = StoreServerHandle(pid=proc.pid, host=host, master_address=addr, segment_bytes=int(segment_bytes),
-                          log_path=log_path, _proc=proc)
+    h = StoreServerHandle(
+        pid=proc.pid, host=host, master_address=addr, segment_bytes=int(segment_bytes), log_path=log_path, _proc=proc
+    )
     _LIVE.add(h)
     why = ""
+    out = proc.stdout
+    assert out is not None
     try:
         while True:
-            line, why = _read_line(proc.stdout, startup_timeout_s, proc)
+            line, why = _read_line(out, startup_timeout_s, proc)
             if line is None:
                 break
             if line.startswith(SERVER_READY_PREFIX):
-                info = json.loads(line[len(SERVER_READY_PREFIX):])
+                info = json.loads(line[len(SERVER_READY_PREFIX) :])
                 h.segment_name = info.get("segment_name", "")
-                proc.stdout.close()  # the server moved its fd 1 to the log after this line
+                out.close()  # the server moved its fd 1 to the log after this line
                 return h
             if line.startswith(SERVER_ERROR_PREFIX):
-                why = line[len(SERVER_ERROR_PREFIX):]
+                why = line[len(SERVER_ERROR_PREFIX) :]
                 break
     except BaseException:
         h.stop(timeout_s=5.0)
         raise
     tail = h.tail_log(25)
     h.stop(timeout_s=5.0)
-    raise RuntimeError(f"mooncake store server failed to start (master {addr}): {why}\n"
-                       f"--- server log tail ---\n{tail}")
+    raise RuntimeError(f"mooncake store server failed to start (master {addr}): {why}\n--- server log tail ---\n{tail}")
 
 
 # ---------------------------------------------------------------------------------------------

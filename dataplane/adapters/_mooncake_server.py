@@ -39,7 +39,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="local_hostname advertised to peers")
     p.add_argument("--segment-bytes", type=int, required=True)
     p.add_argument("--local-buffer-bytes", type=int, default=16 << 20)
-    p.add_argument("--protocol", default="tcp")
+    p.add_argument("--protocol", default="tcp", help="tcp or rdma")
+    p.add_argument("--rdma-devices", default="", help="comma list of RDMA devices, e.g. mlx5_0,mlx5_1")
     p.add_argument("--metadata-server", default="P2PHANDSHAKE")
     p.add_argument("--parent-pid", type=int, default=0, help="exit when getppid() stops matching")
     p.add_argument("--no-stdin-watchdog", action="store_true")
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
 
-    def _on_signal(signum, _frame):
+    def _on_signal(signum: int, _frame: object) -> None:
         stop_reason.append(signal.Signals(signum).name)
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -90,20 +91,39 @@ def main(argv: list[str] | None = None) -> int:
 
     store = MooncakeDistributedStore()
     t0 = time.monotonic()
-    rc = store.setup(args.host, args.metadata_server, args.segment_bytes, args.local_buffer_bytes,
-                     args.protocol, "", args.master)
+    rc = store.setup(
+        args.host,
+        args.metadata_server,
+        args.segment_bytes,
+        args.local_buffer_bytes,
+        args.protocol,
+        args.rdma_devices,
+        args.master,
+    )
     if rc != 0:
-        _emit(ready_fd, ERROR_PREFIX + f"setup() returned {rc} (master {args.master}, "
-              f"segment {args.segment_bytes} B, {time.monotonic() - t0:.1f}s)")
+        _emit(
+            ready_fd,
+            ERROR_PREFIX + f"setup() returned {rc} (master {args.master}, "
+            f"segment {args.segment_bytes} B, {time.monotonic() - t0:.1f}s)",
+        )
         return 2
     try:
         name = store.get_hostname()
     except Exception:
         name = ""
-    _emit(ready_fd, READY_PREFIX + json.dumps({
-        "pid": os.getpid(), "segment_name": name, "segment_bytes": args.segment_bytes,
-        "master": args.master, "setup_s": round(time.monotonic() - t0, 3),
-    }))
+    _emit(
+        ready_fd,
+        READY_PREFIX
+        + json.dumps(
+            {
+                "pid": os.getpid(),
+                "segment_name": name,
+                "segment_bytes": args.segment_bytes,
+                "master": args.master,
+                "setup_s": round(time.monotonic() - t0, 3),
+            }
+        ),
+    )
     os.close(ready_fd)
 
     fds = [wake_r] + ([0] if watch_stdin else [])
@@ -130,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"mooncake store server {os.getpid()} stopping: {stop_reason[0]}", file=sys.stderr, flush=True)
     t_close = time.monotonic()
     store.close()
-    print(f"mooncake store server {os.getpid()} closed in {time.monotonic() - t_close:.2f}s", file=sys.stderr, flush=True)
+    print(
+        f"mooncake store server {os.getpid()} closed in {time.monotonic() - t_close:.2f}s", file=sys.stderr, flush=True
+    )
     return 0
 
 

@@ -1,0 +1,146 @@
+"""``mooncake`` in ``benchmarks.put_get``, beside raw Mooncake in the same layout.
+
+The raw ceiling moves the same bytes in the layout the adapter uses (one object per field, rows back
+to back) with ``batch_put_from`` / ``batch_get_into`` between registered buffers, from a client that
+lends no segment, into a store server of its own deployment, so ours/raw isolates our layer.
+"""
+
+from __future__ import annotations
+
+import atexit
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks.base import BenchBackend
+from benchmarks.workload import Batch
+
+__all__ = ["BACKENDS", "RawMooncake", "field_buffers"]
+
+SEGMENT_BYTES = 3 << 30
+
+
+def field_buffers(batch: Batch) -> list[tuple[str, torch.Tensor]]:
+    """(field, contiguous uint8 view) of every field the adapter would store as one object."""
+    out = []
+    for name, v in batch.fields.items():
+        if isinstance(v, torch.Tensor):
+            t = v.values() if v.is_nested else v
+            out.append((name, t.contiguous().reshape(-1).view(torch.uint8)))
+    return out
+
+
+class RawMooncake:
+    """One Mooncake client (no segment) with a registered source and destination arena."""
+
+    def __init__(self, master_address: str, arena_bytes: int) -> None:
+        from dataplane.adapters._mooncake_procs import apply_client_env_defaults
+
+        apply_client_env_defaults()
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+        self.store: Any = MooncakeDistributedStore()
+        rc = self.store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master_address)
+        if rc != 0:
+            raise RuntimeError(f"raw Mooncake setup failed: {rc}")
+        self.cfg = ReplicateConfig()
+        self.cfg.with_hard_pin = True
+        self.src = np.ones(arena_bytes, dtype=np.uint8)  # pre-faulted
+        self.dst = np.ones(arena_bytes, dtype=np.uint8)
+        for arr in (self.src, self.dst):
+            if self.store.register_buffer(arr.ctypes.data, arr.nbytes) != 0:
+                raise RuntimeError("register_buffer failed")
+        self.sizes: list[int] = []
+
+    def load(self, buffers: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy the batch into the registered source arena (untimed)."""
+        at, self.sizes = 0, []
+        for _, b in buffers:
+            self.src[at : at + b.numel()] = b.numpy()
+            self.sizes.append(b.numel())
+            at += b.numel()
+
+    def _ptrs(self, arr: np.ndarray) -> list[int]:
+        base, at, out = int(arr.ctypes.data), 0, []
+        for n in self.sizes:
+            out.append(base + at)
+            at += n
+        return out
+
+    def put(self, keys: list[str]) -> float:
+        t0 = time.perf_counter()
+        rc = self.store.batch_put_from(keys, self._ptrs(self.src), self.sizes, self.cfg)
+        dt = time.perf_counter() - t0
+        if any(c != 0 for c in rc):
+            raise RuntimeError(f"raw batch_put_from failed: {rc}")
+        return dt
+
+    def get(self, keys: list[str]) -> float:
+        t0 = time.perf_counter()
+        rc = self.store.batch_get_into(keys, self._ptrs(self.dst), self.sizes)
+        dt = time.perf_counter() - t0
+        if list(rc) != self.sizes:
+            raise RuntimeError(f"raw batch_get_into failed: {rc}")
+        return dt
+
+    def remove(self, keys: list[str]) -> None:
+        self.store.batch_remove(keys, True)
+
+    def close(self) -> None:
+        for arr in (self.src, self.dst):
+            self.store.unregister_buffer(arr.ctypes.data)
+        self.store.close()
+
+
+_RAW: dict[str, Any] = {}
+
+
+def _raw_deployment() -> str:
+    """A master and store server of its own for the raw ceiling (stopped at exit)."""
+    if "master" not in _RAW:
+        from dataplane.adapters import _mooncake_procs as procs
+
+        master = procs.start_master()
+        server = procs.start_store_server(master, segment_bytes=SEGMENT_BYTES, launch="path")
+        _RAW.update(master=master, server=server)
+        atexit.register(lambda: (server.stop(), master.stop()))
+    return str(_RAW["master"].address)
+
+
+def raw_seconds(batch: Batch, repeat: int) -> tuple[list[float], list[float]]:
+    buffers = field_buffers(batch)
+    total = sum(b.numel() for _, b in buffers)
+    raw = RawMooncake(_raw_deployment(), total)
+    try:
+        raw.load(buffers)
+        puts, gets = [], []
+        for i in range(repeat + 1):
+            keys = [f"raw/{i}/{name}" for name, _ in buffers]
+            tp = raw.put(keys)
+            tg = raw.get(keys)
+            if i == 0 and not np.array_equal(raw.src[:total], raw.dst[:total]):
+                raise RuntimeError("raw Mooncake round trip is not bit-exact")
+            raw.remove(keys)
+            if i:
+                puts.append(tp)
+                gets.append(tg)
+        return puts, gets
+    finally:
+        raw.close()
+
+
+def _reader_url(client: Any) -> tuple[str, dict[str, Any]]:
+    return client.store.join_url, {}
+
+
+BACKENDS: list[BenchBackend] = [
+    BenchBackend(
+        name="mooncake",
+        url=f"mooncake://local?segment_bytes={SEGMENT_BYTES}",
+        requires=("mooncake",),
+        raw=raw_seconds,
+        reader_url=_reader_url,
+    )
+]

@@ -1,0 +1,426 @@
+"""``python -m benchmarks.mooncake_xproc``: RL batches between processes through ``mooncake://``.
+
+A writer process puts an RL-shaped batch (``benchmarks.workload.make_batch``); a different reader
+process gets it by the meta the writer returned. The same two processes also move the same bytes
+with raw Mooncake (``batch_put_from`` / ``batch_get_into`` between registered buffers, one object per
+field, same master and store server), and, where available, through the TransferQueue adapter
+(``tq://?backend=mooncake`` and ``tq://?backend=simple``). Every repetition runs every contender
+once, in rotating order, so drift on a shared machine hits them alike; medians after warm-up.
+
+    python -m benchmarks.mooncake_xproc                       # 16 MB and 128 MB, writes results
+    python -m benchmarks.mooncake_xproc --sizes 16 --repeat 5 --no-tq --out /tmp/x
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+MB = 1 << 20
+RESULTS = Path(__file__).resolve().parent / "results"
+TIMEOUT_S = 600.0
+
+
+def _worker(role: str, conn: Connection, join_url: str, master: str, arena_bytes: int, n_fields: int) -> None:
+    import torch
+
+    import dataplane
+    from benchmarks.backends_mooncake import RawMooncake, field_buffers
+    from benchmarks.workload import make_batch
+    from dataplane.testing.strategies import bit_exact
+
+    try:
+        client = dataplane.connect(join_url, timeout_s=TIMEOUT_S)
+        raw = RawMooncake(master, arena_bytes)
+    except BaseException as e:
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    others: dict[str, Any] = {}
+    batches: dict[int, Any] = {}
+    inner: dict[str, float] = {}  # seconds of the last adapter-level (KVStore) put / get
+
+    def _timed(name: str, fn: Any) -> Any:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                inner[name] = time.perf_counter() - t0
+
+        return wrapper
+
+    client.store.put = _timed("put", client.store.put)  # type: ignore[attr-defined]
+    client.store.get = _timed("get", client.store.get)  # type: ignore[attr-defined]
+    loaded = -1
+    conn.send(("ready", os.getpid()))
+    try:
+        while True:
+            cmd, *args = conn.recv()
+            if cmd == "stop":
+                break
+            try:
+                if cmd == "batch":
+                    size, seed = args
+                    batches[size] = make_batch(size * MB, n_fields, seed=seed)
+                    out: Any = batches[size].payload_bytes
+                elif cmd == "put":
+                    size, pid, url = args
+                    c = client if url is None else others[url]
+                    b = batches[size]
+                    t0 = time.perf_counter()
+                    meta = c.kv_batch_put(b.keys, b.fields, partition_id=pid)
+                    out = (time.perf_counter() - t0, meta, inner.get("put") if url is None else None)
+                elif cmd == "get":
+                    size, meta, url, verify = args
+                    c = client if url is None else others[url]
+                    t0 = time.perf_counter()
+                    td = c.kv_batch_get(meta, select_fields=list(meta.fields))
+                    dt = time.perf_counter() - t0
+                    ok = True
+                    if verify:
+                        want = batches[size].fields
+                        for f, v in want.items():
+                            got = td[f]
+                            if isinstance(v, torch.Tensor) and v.is_nested:
+                                ok &= bit_exact(got.values(), v.values()) and torch.equal(got.offsets(), v.offsets())
+                            else:
+                                ok &= bit_exact(got, v)
+                    del td
+                    out = (dt, ok, inner.get("get") if url is None else None)
+                elif cmd == "clear":
+                    pid, url = args
+                    (client if url is None else others[url]).kv_clear(partition_id=pid)
+                    out = None
+                elif cmd in ("raw_put", "raw_get"):
+                    size, tag = args
+                    if loaded != size:
+                        raw.load(field_buffers(batches[size]))
+                        loaded = size
+                    keys = [f"rawx/{tag}/{name}" for name, _ in field_buffers(batches[size])]
+                    out = raw.put(keys) if cmd == "raw_put" else raw.get(keys)
+                    if cmd == "raw_get" and tag.endswith("-verify"):
+                        n = sum(raw.sizes)
+                        want_bytes = torch.cat([t for _, t in field_buffers(batches[size])]).numpy()
+                        out = (out, bool((raw.dst[:n] == want_bytes).all()))
+                elif cmd == "raw_clear":
+                    size, tag = args
+                    raw.remove([f"rawx/{tag}/{name}" for name, _ in field_buffers(batches[size])])
+                    out = None
+                elif cmd == "connect":
+                    url, env = args
+                    os.environ.update(env)  # e.g. RAY_AUTH_MODE, set in the driver by ray.init after we started
+                    if url not in others:
+                        others[url] = dataplane.connect(url)
+                    out = None
+                elif cmd == "disconnect":
+                    (url,) = args
+                    c = others.pop(url, None)
+                    if c is not None:
+                        c.close()
+                    out = None
+                else:
+                    raise ValueError(cmd)
+                conn.send(("ok", out))
+            except BaseException as e:  # report, keep serving
+                conn.send(("error", f"{type(e).__name__}: {e}"))
+    finally:
+        for c in others.values():
+            c.close()
+        raw.close()
+        client.close()
+
+
+class _Proc:
+    def __init__(self, ctx: Any, role: str, *args: Any) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker, args=(role, child, *args), daemon=True, name=f"xproc-{role}")
+        self.proc.start()
+        self.pid = self.ask_ready()
+
+    def ask_ready(self) -> int:
+        if not self.conn.poll(180):
+            raise TimeoutError("worker did not start within 180 s")
+        kind, value = self.conn.recv()
+        if kind != "ready":
+            raise RuntimeError(f"worker failed: {value}")
+        return int(value)
+
+    def call(self, *msg: Any) -> Any:
+        self.conn.send(msg)
+        if not self.conn.poll(TIMEOUT_S):
+            raise TimeoutError(f"worker gave no answer to {msg[0]!r} within {TIMEOUT_S}s")
+        kind, value = self.conn.recv()
+        if kind != "ok":
+            raise RuntimeError(f"{msg[0]} failed in worker: {value}")
+        return value
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(("stop",))
+        except OSError:
+            pass
+        self.proc.join(timeout=60)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(timeout=10)
+
+
+def _tq_phases(enabled: bool) -> tuple[list[str | None], str]:
+    """TransferQueue backends to measure (one per phase: TQ runs one deployment per Ray cluster)."""
+    if not enabled:
+        return [None], "TransferQueue skipped (--no-tq)"
+    adapter = Path(__file__).resolve().parents[1] / "dataplane" / "adapters" / "transfer_queue.py"
+    if not adapter.exists():
+        return [None], "TransferQueue adapter not present in this checkout (dataplane/adapters/transfer_queue.py)"
+    return [None, "mooncake", "simple"], ""
+
+
+def _stats(xs: list[float]) -> dict[str, float]:
+    return {"median_s": statistics.median(xs), "min_s": min(xs), "max_s": max(xs), "n": len(xs)}
+
+
+def _rep(
+    writer: _Proc, reader: _Proc, c: str, size: int, tag: str, verify: bool, tq_url: str | None
+) -> tuple[float, float, bool, float | None, float | None]:
+    """One put by the writer and one get by the reader: (put s, get s, bit-exact, adapter put s, adapter get s)."""
+    if c == "raw":
+        tag += "-verify" if verify else ""
+        tp = writer.call("raw_put", size, tag)
+        res = reader.call("raw_get", size, tag)
+        tg, ok = res if verify else (res, True)
+        writer.call("raw_clear", size, tag)
+        return tp, tg, ok, None, None
+    url = None if c == "ours" else tq_url
+    pid = f"x-{c}-{tag}"
+    tp, meta, tp_in = writer.call("put", size, pid, url)
+    tg, ok, tg_in = reader.call("get", size, meta, url, verify)
+    writer.call("clear", pid, url)
+    return tp, tg, ok, tp_in, tg_in
+
+
+def core_codec_seconds(size_mb: int, n_fields: int, repeat: int = 15) -> dict[str, float]:
+    """Median seconds of the core's encode_fields / decode_columns on the batch (in every put / get of
+    every adapter, and in no raw figure): the part of ours/raw no adapter can remove."""
+    from benchmarks.workload import make_batch
+    from dataplane.codec.wire import decode_columns, encode_fields
+
+    b = make_batch(size_mb * MB, n_fields, seed=0)
+    enc, dec = [], []
+    for _ in range(repeat + 2):
+        t0 = time.perf_counter()
+        cols = encode_fields(b.fields, len(b.keys))
+        t1 = time.perf_counter()
+        td = decode_columns(cols, len(b.keys))
+        t2 = time.perf_counter()
+        del td
+        enc.append(t1 - t0)
+        dec.append(t2 - t1)
+    return {"encode_s": statistics.median(enc[2:]), "decode_s": statistics.median(dec[2:])}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import dataplane
+    from benchmarks.put_get import machine_info
+
+    load_before = os.getloadavg()
+    arena = max(args.sizes) * MB * 2
+    owner = dataplane.connect(f"mooncake://local?segment_bytes={args.segment_gib}GiB", timeout_s=TIMEOUT_S)
+    ctx = mp.get_context("spawn")
+    store = owner.store  # type: ignore[attr-defined]
+    procs: list[_Proc] = []
+    notes: list[str] = []
+    times: dict[str, dict[int, dict[str, dict[str, list[float]]]]] = {}  # phase -> size -> contender
+    verified: dict[int, dict[str, bool]] = {}
+    payloads: dict[int, int] = {}
+    try:
+        writer = _Proc(ctx, "writer", store.join_url, store.master_address, arena, args.fields)
+        procs.append(writer)
+        reader = _Proc(ctx, "reader", store.join_url, store.master_address, arena, args.fields)
+        procs.append(reader)
+        for size in args.sizes:
+            payloads[size] = writer.call("batch", size, 0)
+            reader.call("batch", size, 0)
+        phases, note = _tq_phases(args.tq)
+        if note:
+            notes.append(note)
+        for tq_backend in phases:
+            tq_owner: Any = None
+            tq_url: str | None = None
+            name = f"tq_{tq_backend}" if tq_backend else None
+            if tq_backend is not None:
+                try:
+                    tq_owner = dataplane.connect(
+                        f"tq://?backend={tq_backend}&timeout_s={TIMEOUT_S}&segment_bytes={2 << 30}"
+                    )
+                    import ray
+
+                    tq_url = f"tq://?ray_address={ray.get_runtime_context().gcs_address}&timeout_s={TIMEOUT_S}"
+                    ray_env = {k: v for k, v in os.environ.items() if k.startswith("RAY_")}
+                    writer.call("connect", tq_url, ray_env)
+                    reader.call("connect", tq_url, ray_env)
+                except Exception as e:  # measure what we can
+                    notes.append(f"tq://?backend={tq_backend} unavailable: {type(e).__name__}: {e}")
+                    if tq_owner is not None:
+                        tq_owner.close()
+                    continue
+            try:
+                contenders = ["ours", "raw"] + ([name] if name else [])
+                for size in args.sizes:
+                    t = times.setdefault(tq_backend or "no-tq", {}).setdefault(size, {})
+                    for c in [*contenders, "ours_adapter"]:
+                        t.setdefault(c, {"put": [], "get": []})
+                    for rep in range(args.warmup + args.repeat):
+                        order = contenders[rep % len(contenders) :] + contenders[: rep % len(contenders)]
+                        for c in order:
+                            verify = rep == 0
+                            tag = f"s{size}-{tq_backend}-r{rep}"
+                            tp, tg, ok, tp_in, tg_in = _rep(writer, reader, c, size, tag, verify, tq_url)
+                            if verify:
+                                verified.setdefault(size, {})[c] = ok
+                            if rep >= args.warmup:
+                                t[c]["put"].append(tp)
+                                t[c]["get"].append(tg)
+                                if c == "ours" and tp_in is not None and tg_in is not None:
+                                    t["ours_adapter"]["put"].append(tp_in)
+                                    t["ours_adapter"]["get"].append(tg_in)
+                        print(f"[{tq_backend}] {size} MB rep {rep + 1}", file=sys.stderr, flush=True)
+            finally:
+                if tq_url is not None:
+                    writer.call("disconnect", tq_url)
+                    reader.call("disconnect", tq_url)
+                if tq_owner is not None:
+                    tq_owner.close()
+    finally:
+        for p in procs:
+            p.stop()
+        owner.close()
+    results: dict[str, Any] = {}
+    for phase, per_size in times.items():
+        for size, t in per_size.items():
+            payload = payloads[size]
+            cell: dict[str, Any] = {"payload_bytes": payload}
+            for c, v in t.items():
+                if v["put"]:
+                    put, get = _stats(v["put"]), _stats(v["get"])
+                    cell[c] = {
+                        "put": put,
+                        "get": get,
+                        "put_gbps": payload / put["median_s"] / 1e9,
+                        "get_gbps": payload / get["median_s"] / 1e9,
+                    }
+            results.setdefault(f"{size}MB", {"bit_exact": verified.get(size, {})})[phase] = cell
+    for size in args.sizes:
+        results[f"{size}MB"]["core_codec"] = core_codec_seconds(size, args.fields)
+    for cells in results.values():
+        base = cells.get("no-tq", {})
+        ratios: dict[str, float] = {}
+        if "ours" in base and "raw" in base:
+            for op in ("put", "get"):
+                ratios[f"{op}_ours_vs_raw"] = base["ours"][f"{op}_gbps"] / base["raw"][f"{op}_gbps"]
+                ratios[f"{op}_adapter_vs_raw"] = base["ours_adapter"][f"{op}_gbps"] / base["raw"][f"{op}_gbps"]
+        for phase, cell in cells.items():
+            tq = f"tq_{phase}"
+            if isinstance(cell, dict) and tq in cell:
+                ratios[f"get_ours_vs_{tq}"] = cell["ours"]["get_gbps"] / cell[tq]["get_gbps"]
+                ratios[f"put_ours_vs_{tq}"] = cell["ours"]["put_gbps"] / cell[tq]["put_gbps"]
+        cells["ratios"] = ratios
+    return {
+        "schema_version": 1,
+        "benchmark": "mooncake_xproc",
+        "created_unix": time.time(),
+        "config": {
+            "sizes_mb": args.sizes,
+            "fields": args.fields,
+            "repeat": args.repeat,
+            "warmup": args.warmup,
+            "segment_gib": args.segment_gib,
+            "rows": "64 below 8 MB, else 256 (make_batch)",
+            "phases": [p or "no-tq" for p in phases],
+        },
+        "machine": {**machine_info(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+        "targets": {"put_ours_vs_raw": ">= 0.9", "get_ours_vs_raw": ">= 0.9", "get_ours_vs_tq": ">= 1.5"},
+        "notes": notes,
+        "results": results,
+    }
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+    m = report["machine"]
+    lines = [
+        "# mooncake:// between processes: ours vs raw Mooncake vs TransferQueue",
+        "",
+        f"Machine: {m.get('cpu_count')} CPUs, {m.get('mem_total_gib')} GiB, {m.get('platform')}, torch {m.get('torch')}, "
+        f"mooncake {m.get('mooncake-transfer-engine-non-cuda', '?')}; load average before "
+        f"{', '.join(f'{x:.2f}' for x in m['loadavg_before'])}, after {', '.join(f'{x:.2f}' for x in m['loadavg_after'])}.",
+        f"Batches: `make_batch(size, {report['config']['fields']} fields)` (jagged token fields + a [B] reward); "
+        f"writer and reader are separate spawned processes, the store server a third; medians of "
+        f"{report['config']['repeat']} after {report['config']['warmup']} warm-up, contenders interleaved.",
+        "",
+        "ours/raw come from the phase without TransferQueue (no Ray running); each TQ ratio compares with "
+        "ours measured in that TQ's phase (Ray and its actors running, so every figure there is slower).",
+        "",
+        "| size | phase | contender | put ms | get ms | put GB/s | get GB/s | bit-exact |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for size, cells in report["results"].items():
+        for phase, cell in cells.items():
+            if phase in ("bit_exact", "ratios", "core_codec"):
+                continue
+            for c, v in cell.items():
+                if not isinstance(v, dict):
+                    continue
+                lines.append(
+                    f"| {size} | {phase} | {c} | {v['put']['median_s'] * 1e3:.1f} | {v['get']['median_s'] * 1e3:.1f} | "
+                    f"{v['put_gbps']:.2f} | {v['get_gbps']:.2f} | {cells['bit_exact'].get(c, '-')} |"
+                )
+    lines += ["", "| size | ratio | value |", "| --- | --- | --- |"]
+    for size, cells in report["results"].items():
+        for k, v in cells["ratios"].items():
+            lines.append(f"| {size} | {k} | **{v:.2f}** |")
+    lines += [""]
+    for size, cells in report["results"].items():
+        cc = cells["core_codec"]
+        lines.append(
+            f"- {size}: the core's encode_fields {cc['encode_s'] * 1e3:.1f} ms and decode_columns "
+            f"{cc['decode_s'] * 1e3:.1f} ms are inside every ours put / get (not in raw); ours_adapter is the "
+            "adapter's KVStore.put/get alone."
+        )
+    lines += ["", "Targets: " + ", ".join(f"{k} {v}" for k, v in report["targets"].items()) + "."]
+    lines += [f"- {n}" for n in report["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.mooncake_xproc", description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[16, 128])
+    p.add_argument("--fields", type=int, default=8)
+    p.add_argument("--repeat", type=int, default=15)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--segment-gib", type=int, default=3)
+    p.add_argument("--no-tq", dest="tq", action="store_false")
+    p.add_argument("--out", default=str(RESULTS / "mooncake_xproc"), help="path without extension (.json, .md)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    report = run(args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    md = to_markdown(report)
+    out.with_suffix(".md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,425 @@
+"""The Mooncake :class:`~dataplane.store.KVStore`: puts, gets, clears and listings over the layout of
+:mod:`dataplane.adapters._mc_index` through a guarded :class:`~dataplane.adapters._mc_handle.StoreHandle`.
+
+Round trips. A put: one listing of the master's keys (schema check against every writer's puts),
+then one ``batch_upsert_from`` carrying the data objects and the index object together. A get: one
+listing, then one ``batch_get_into`` (or ``get_into_ranges``) for the data. Index objects are
+immutable and cached, so only puts this process has not seen cost one more read, and a get by the
+meta a put returned does not even pay that (the meta carries the put's index in ``extra_info``; it
+is used only while the listing still shows that index, so a stale hint never returns stale data).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from dataplane.adapters._mc_handle import (
+    NOT_FOUND,
+    NOT_READY,
+    TRANSIENT,
+    AdminClient,
+    StoreHandle,
+    code_name,
+    error_for,
+)
+from dataplane.adapters._mc_index import (
+    PartitionState,
+    PutIndex,
+    data_key,
+    decode_index,
+    encode_index,
+    index_prefix,
+    make_index,
+    new_put_id,
+    parse_index_key,
+    part_token,
+    partition_of_token,
+    partition_prefix,
+)
+from dataplane.adapters._mc_read import Reader, Vanished
+from dataplane.bufpool import BufferPool
+from dataplane.client import Capabilities, Listing
+from dataplane.codec.wire import Column
+from dataplane.errors import (
+    BackendUnavailable,
+    CapacityExceeded,
+    DataPlaneTimeout,
+    InvalidArgument,
+    KeyNotFound,
+    missing_rows_error,
+)
+from dataplane.meta import KVBatchMeta
+from dataplane.schema import FieldSchema, check_compatible
+from dataplane.store import KVStore
+
+__all__ = ["HINT_KEY", "MooncakeStore"]
+
+log = logging.getLogger(__name__)
+
+HINT_KEY = "mooncake_index"  # meta.extra_info[HINT_KEY] = {index key: index bytes} of the put
+MAX_KEY_LEN = 512
+_ATTEMPTS = 4
+
+
+@dataclass
+class _Part:
+    lock: threading.Lock
+    known: dict[str, PutIndex]
+    state: PartitionState
+    # schemas of this client's puts still being written: field -> (schema, count); a concurrent put
+    # of the same new field from another thread of this process is checked against them
+    pending: dict[str, tuple[FieldSchema, int]] = dataclasses.field(default_factory=dict)
+
+
+class MooncakeStore(KVStore):
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        handle: StoreHandle,
+        admin: AdminClient,
+        *,
+        ns: str,
+        protocol: str,
+        pool_bytes: int,
+        writer: str,
+    ) -> None:
+        self.handle = handle
+        self.admin = admin
+        self.ns = ns
+        self.writer = writer
+        self._stage_puts = protocol != "tcp"  # RDMA reads only registered memory: copy into the pool
+        self.pool = BufferPool(
+            pool_bytes,
+            min_bytes=(64 << 10) if protocol == "tcp" else 1,  # TCP reads whole objects into unregistered memory too
+            on_new=handle.register,
+            on_drop=handle.unregister,
+        )
+        self.reader = Reader(handle, self.pool)
+        self.deployment: Any = None  # the LocalDeployment a mooncake://local client owns
+        self.master_address = ""
+        self.join_url = ""  # what other processes pass to dataplane.connect() to share this store
+        self._parts: dict[str, _Part] = {}
+        self._parts_lock = threading.Lock()
+        self._caps = Capabilities(
+            backend="mooncake", cross_process=True, cross_node=True, zero_copy=True, max_keys_per_call=1024
+        )
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._caps
+
+    def validate_keys(self, keys: Sequence[str]) -> None:
+        for k in keys:
+            if not k.isascii() or len(k) > MAX_KEY_LEN:
+                raise InvalidArgument(
+                    f"Mooncake keys must be ASCII and at most {MAX_KEY_LEN} characters, got {k[:40]!r}; "
+                    "mint keys like f'{uid}_g{i}'"
+                )
+
+    # -- partition state -------------------------------------------------------------------------
+    def _part(self, partition_id: str) -> _Part:
+        with self._parts_lock:
+            part = self._parts.get(partition_id)
+            if part is None:
+                part = self._parts[partition_id] = _Part(threading.Lock(), {}, PartitionState())
+            return part
+
+    def _refresh(
+        self, partition_id: str, part: _Part, lines: Sequence[str], hints: Mapping[str, PutIndex], deadline: float
+    ) -> PartitionState:
+        """Bring ``part`` to what the listing shows (call with ``part.lock`` held)."""
+        prefix = index_prefix(self.ns, partition_id)
+        listed: dict[str, tuple[str, int]] = {}
+        for line in lines:
+            if line.startswith(prefix):
+                parsed = parse_index_key(line, prefix)
+                if parsed is not None:
+                    listed[parsed[0]] = (line, parsed[1])
+        current = {pid: part.known[pid] for pid in listed if pid in part.known}
+        unread = []
+        for pid, (key, size) in listed.items():
+            if pid in current:
+                continue
+            hinted = hints.get(key)  # names are unique and objects immutable: a listed hint is exact
+            if hinted is not None:
+                current[pid] = hinted
+            else:
+                unread.append((pid, key, size))
+        if unread:
+            current.update(self._read_indexes(unread, deadline))
+        part.known = current
+        part.state = part.state.refresh(current)
+        return part.state
+
+    def _read_indexes(self, unread: list[tuple[str, str, int]], deadline: float) -> dict[str, PutIndex]:
+        buf = np.empty(max(1, sum(size for _, _, size in unread)), dtype=np.uint8)
+        base, at, ptrs = int(buf.ctypes.data), 0, []
+        for _, _, size in unread:
+            ptrs.append(base + at)
+            at += size
+        out: dict[str, PutIndex] = {}
+        for attempt in range(_ATTEMPTS):
+            codes = self.handle.get_into([k for _, k, _ in unread], ptrs, [s for _, _, s in unread])
+            retry = [c for c in codes if c in TRANSIENT]
+            if retry and attempt + 1 < _ATTEMPTS and time.monotonic() < deadline:
+                time.sleep(0.05 * 2**attempt)
+                continue
+            for (pid, key, size), ptr, code in zip(unread, ptrs, codes, strict=True):
+                if code == size:
+                    lo = ptr - base
+                    out[pid] = decode_index(key, pid, buf[lo : lo + size].tobytes())
+                elif code in (NOT_FOUND, NOT_READY):  # removed after listing, or its put is in flight
+                    continue
+                else:
+                    raise error_for(code, f"reading index object {key!r}")
+            return out
+        raise AssertionError("unreachable")
+
+    def _listing(self, deadline: float) -> list[str]:
+        self.handle.check()  # closed or forked: fail before any I/O
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DataPlaneTimeout("Mooncake call ran out of time; raise timeout_s")
+        return self.admin.all_keys(left)
+
+    # -- put -------------------------------------------------------------------------------------
+    def put(
+        self,
+        partition_id: str,
+        keys: Sequence[str],
+        columns: Mapping[str, Column],
+        tags: Sequence[Mapping[str, Any]] | None,
+        *,
+        timeout_s: float,
+    ) -> dict[str, Any] | None:
+        deadline = time.monotonic() + timeout_s
+        lines = self._listing(deadline)
+        part = self._part(partition_id)
+        with part.lock:
+            state = self._refresh(partition_id, part, lines, {}, deadline)
+            for name, col in columns.items():
+                known = state.schema.get(name) or part.pending.get(name, (None, 0))[0]
+                if known is not None:
+                    check_compatible(partition_id, name, known, col.schema)
+            for name, col in columns.items():
+                schema, count = part.pending.get(name, (col.schema, 0))
+                part.pending[name] = (schema, count + 1)
+        try:
+            return self._put_checked(part, partition_id, keys, columns, tags, deadline)
+        finally:
+            with part.lock:
+                for name in columns:
+                    schema, count = part.pending[name]
+                    if count > 1:
+                        part.pending[name] = (schema, count - 1)
+                    else:
+                        del part.pending[name]
+
+    def _put_checked(
+        self,
+        part: _Part,
+        partition_id: str,
+        keys: Sequence[str],
+        columns: Mapping[str, Column],
+        tags: Sequence[Mapping[str, Any]] | None,
+        deadline: float,
+    ) -> dict[str, Any]:
+        put_id = new_put_id(self.writer)
+        head = partition_prefix(self.ns, partition_id)
+        entries: dict[str, tuple[FieldSchema, int, np.ndarray | None]] = {}
+        obj_keys: list[str] = []
+        ptrs: list[int] = []
+        sizes: list[int] = []
+        hold: list[Any] = []  # keeps the source buffers alive during the call
+        for name, col in columns.items():
+            values = col.values.contiguous()
+            nbytes = values.numel() * values.element_size()
+            offsets = None if col.offsets is None else col.offsets.numpy().astype(np.int64, copy=False)
+            entries[name] = (col.schema, nbytes, offsets)
+            if not nbytes:  # Mooncake cannot store 0 bytes: no object, the index says 0
+                continue
+            if self._stage_puts:
+                staged = self.pool.empty(nbytes)
+                staged.copy_(values.reshape(-1).view(torch.uint8))
+                values = staged
+            hold.append(values)
+            obj_keys.append(data_key(head, put_id, name))
+            ptrs.append(values.data_ptr())
+            sizes.append(nbytes)
+        body = encode_index(keys, entries, tags)
+        index_key = f"{head}i/{put_id}.{len(body)}"
+        index_buf = np.frombuffer(body, dtype=np.uint8)
+        self._write(
+            [*obj_keys, index_key], [*ptrs, int(index_buf.ctypes.data)], [*sizes, len(body)], partition_id, deadline
+        )
+        del hold
+        with part.lock:
+            part.known[put_id] = make_index(index_key, put_id, keys, entries, tags)
+        return {HINT_KEY: {index_key: body}}
+
+    def _write(self, keys: list[str], ptrs: list[int], sizes: list[int], partition_id: str, deadline: float) -> None:
+        """All-or-nothing hard-pinned upsert; retries transfer/RPC failures (a dead server's segment)."""
+        for attempt in range(_ATTEMPTS):
+            codes = self.handle.put_from(keys, ptrs, sizes)
+            failed = [c for c in codes if c != 0]
+            if not failed:
+                return
+            written = [k for k, c in zip(keys, codes, strict=True) if c == 0]
+            if written:
+                self.handle.remove(written)  # no phantom objects
+            if all(c in TRANSIENT for c in failed) and attempt + 1 < _ATTEMPTS and time.monotonic() < deadline:
+                log.info("dataplane: Mooncake put failed with %s; retrying", code_name(failed[0]))
+                time.sleep(0.1 * 2**attempt)
+                continue
+            total = sum(sizes)
+            raise error_for(failed[0], f"put of {len(keys)} objects ({total} bytes) to partition {partition_id!r}")
+
+    # -- get -------------------------------------------------------------------------------------
+    def get(
+        self,
+        partition_id: str,
+        keys: Sequence[str],
+        fields: Sequence[str],
+        *,
+        meta: KVBatchMeta | None,
+        timeout_s: float,
+    ) -> Mapping[str, Column]:
+        deadline = time.monotonic() + timeout_s
+        hints = self._hints(partition_id, meta)
+        part = self._part(partition_id)
+        for _ in range(_ATTEMPTS):
+            lines = self._listing(deadline)
+            with part.lock:
+                state = self._refresh(partition_id, part, lines, hints, deadline)
+                missing_keys, missing_fields, resolved = state.resolve(keys, fields)
+            if missing_keys or missing_fields:
+                raise self._missing(partition_id, missing_keys, missing_fields, hints, lines)
+            try:
+                return self.reader.read(resolved, deadline)
+            except Vanished:
+                continue
+        raise BackendUnavailable(
+            f"partition {partition_id!r}: objects its index objects name keep vanishing; a store server "
+            "may have died, or another process is clearing this partition"
+        )
+
+    @staticmethod
+    def _missing(
+        partition_id: str,
+        missing_keys: list[str],
+        missing_fields: dict[str, list[str]],
+        hints: Mapping[str, PutIndex],
+        lines: Sequence[str],
+    ) -> KeyNotFound:
+        err = missing_rows_error(partition_id, missing_keys, missing_fields)
+        listed = set(lines)
+        gone = [key for key in hints if key not in listed]
+        if not gone:
+            return err
+        return KeyNotFound(
+            f"{err}. The put that returned this meta is no longer in the store: its rows were cleared, or "
+            "the store server holding them died"
+        )
+
+    def _hints(self, partition_id: str, meta: KVBatchMeta | None) -> dict[str, PutIndex]:
+        """Index objects a put returned in its meta (used only once a listing shows them)."""
+        raw = meta.extra_info.get(HINT_KEY) if meta is not None else None
+        if not isinstance(raw, Mapping):
+            return {}
+        prefix = index_prefix(self.ns, partition_id)
+        out = {}
+        for key, body in raw.items():
+            parsed = parse_index_key(key, prefix) if isinstance(key, str) and key.startswith(prefix) else None
+            if parsed is not None and isinstance(body, bytes) and len(body) == parsed[1]:
+                out[key] = decode_index(key, parsed[0], body)
+        return out
+
+    # -- clear / list ----------------------------------------------------------------------------
+    def clear(self, partition_id: str, keys: Sequence[str] | None, *, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        part = self._part(partition_id)
+        if keys is None:
+            self.handle.check()
+            with part.lock:
+                self.handle.remove_regex(f"^{partition_prefix(self.ns, partition_id)}")
+                part.known, part.state = {}, PartitionState()
+            self._forget(partition_id, part)
+            return
+        lines = self._listing(deadline)
+        with part.lock:
+            state = self._refresh(partition_id, part, lines, {}, deadline)
+            doomed = [k for k in keys if k in state.rows]
+            if not doomed:
+                return
+            garbage, need_tombstone = state.garbage_after_delete(doomed)
+            known = dict(part.known)
+            doomed_objects = [k for p in garbage for k in p.object_keys()]
+            if need_tombstone:  # first: removing first could briefly resurrect older values of doomed keys
+                put_id = new_put_id(self.writer)
+                body = encode_index(doomed, {}, None, op="del")
+                key = f"{index_prefix(self.ns, partition_id)}{put_id}.{len(body)}"
+                buf = np.frombuffer(body, dtype=np.uint8)
+                try:
+                    self._write([key], [int(buf.ctypes.data)], [len(body)], partition_id, deadline)
+                except CapacityExceeded:  # a full store must still be clearable: free space, then retry
+                    self._remove(doomed_objects)
+                    doomed_objects = []
+                    self._write([key], [int(buf.ctypes.data)], [len(body)], partition_id, deadline)
+                known[put_id] = decode_index(key, put_id, body)
+            self._remove(doomed_objects)
+            for p in garbage:
+                known.pop(p.put_id, None)
+            part.known = known
+            part.state = part.state.refresh(known)
+        if not known:
+            self._forget(partition_id, part)
+
+    def _forget(self, partition_id: str, part: _Part) -> None:
+        """Drop the cache of a partition left empty (jobs often use a fresh partition per step)."""
+        with self._parts_lock:
+            if self._parts.get(partition_id) is part and not part.known and not part.pending:
+                del self._parts[partition_id]
+
+    def _remove(self, keys: list[str]) -> None:
+        if not keys:
+            return
+        bad = [c for c in self.handle.remove(keys) if c not in (0, NOT_FOUND)]
+        if bad:
+            log.warning("dataplane: removing %d superseded objects failed: %s", len(bad), code_name(bad[0]))
+
+    def list(self, partition_id: str | None, *, timeout_s: float) -> Listing:
+        deadline = time.monotonic() + timeout_s
+        lines = self._listing(deadline)
+        if partition_id is not None:
+            pids = [partition_id]
+        else:
+            head = f"{self.ns}/"
+            tokens = {ln[len(head) :].split("/", 1)[0] for ln in lines if ln.startswith(head) and "/i/" in ln}
+            pids = sorted(partition_of_token(t) for t in tokens if part_token(partition_of_token(t)) == t)
+        out: Listing = {}
+        for pid in pids:
+            part = self._part(pid)
+            with part.lock:
+                rows = self._refresh(pid, part, lines, {}, deadline).listing()
+            if rows:
+                out[pid] = rows
+        return out
+
+    def close(self) -> None:
+        if self.deployment is not None:
+            self.deployment.server.request_stop()  # its 1-2 s unmount overlaps ours
+        try:
+            self.pool.close()
+            self.handle.close()
+        finally:
+            self.admin.close()

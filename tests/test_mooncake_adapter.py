@@ -1,0 +1,268 @@
+"""What the Mooncake adapter promises beyond the shared suite: round trips per call, zero copy, stale
+hints, GC, key rules, chunking, typed errors and the fork guard (real Mooncake processes)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import textwrap
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import dataplane
+from dataplane.adapters import _mc_handle
+from dataplane.adapters.mooncake import MooncakeConfig, parse_bytes
+from dataplane.errors import CapacityExceeded, ClientClosed, InvalidArgument, KeyNotFound
+from dataplane.store import StoreClient
+from dataplane.testing.strategies import bit_exact
+
+ROOT = Path(__file__).resolve().parents[1]
+HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None
+needs_mooncake = [
+    pytest.mark.mooncake,
+    pytest.mark.skipif(not HAVE_MOONCAKE, reason="Mooncake is not installed (pip install 'dataplane[mooncake]')"),
+]
+
+
+def _jagged(rows: list[torch.Tensor]) -> torch.Tensor:
+    return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+
+
+# -- configuration (no Mooncake needed) -----------------------------------------------------------
+def test_url_options() -> None:
+    cfg = MooncakeConfig.from_url("mooncake://local?segment_bytes=256MiB&ns=job1&timeout_s=5")
+    assert cfg.master is None and cfg.segment_bytes == 256 << 20 and cfg.ns == "job1" and cfg.timeout_s == 5
+    cfg = MooncakeConfig.from_url("mooncake://10.0.0.1:50051?metrics_port=9100&protocol=rdma&rdma_devices=mlx5_0")
+    assert cfg.master == "10.0.0.1:50051" and cfg.metrics_port == 9100
+    assert cfg.protocol == "rdma" and cfg.rdma_devices == "mlx5_0"
+    assert MooncakeConfig.from_url("mooncake://local", pool_bytes="1GiB").pool_bytes == 1 << 30
+    assert parse_bytes("1.5GB") == int(1.5 * (1 << 30)) and parse_bytes(4096) == 4096
+    for bad in ("mooncake://local?nope=1", "mooncake://host-without-port", "mooncake://local?ns=a/b"):
+        with pytest.raises((InvalidArgument, ValueError)):
+            MooncakeConfig.from_url(bad)
+    with pytest.raises(InvalidArgument):
+        MooncakeConfig.from_url("mooncake://local?protocol=udp")
+
+
+# -- one deployment for the rest of the module ----------------------------------------------------
+@pytest.fixture(scope="module")
+def owner() -> Iterator[StoreClient]:
+    if not HAVE_MOONCAKE:
+        pytest.skip("Mooncake is not installed")
+    c = dataplane.connect("mooncake://local?segment_bytes=256MiB&timeout_s=60")
+    assert isinstance(c, StoreClient)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def other(owner: StoreClient) -> Iterator[StoreClient]:
+    """A second client of the same deployment (its own Mooncake client and caches)."""
+    c = dataplane.connect(owner.store.join_url)  # type: ignore[attr-defined]
+    assert isinstance(c, StoreClient)
+    yield c
+    c.close()
+
+
+def _all_keys(client: StoreClient) -> list[str]:
+    port = client.store.deployment.master.metrics_port  # type: ignore[attr-defined]
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(f"http://127.0.0.1:{port}/get_all_keys", timeout=5) as r:
+        return [k for k in r.read().decode().split("\n") if k]
+
+
+class _Spy:
+    """Counts calls to methods of an object (listing, Mooncake batch calls)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, obj: Any, names: list[str]) -> None:
+        self.calls: dict[str, int] = dict.fromkeys(names, 0)
+        for name in names:
+            monkeypatch.setattr(obj, name, self._wrap(name, getattr(obj, name)))
+
+    def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+
+@pytest.mark.mooncake
+@pytest.mark.skipif(not HAVE_MOONCAKE, reason="Mooncake is not installed")
+class TestMooncakeAdapter:
+    def test_round_trips_per_call(
+        self, owner: StoreClient, other: StoreClient, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        rows = [torch.arange(n) for n in (3, 1, 4)]
+        fields = {"ids": _jagged(rows), "r": torch.tensor([1.0, 2.0, 3.0]), "msg": ["a", "b", "c"]}
+        store = other.store
+        spy_admin = _Spy(monkeypatch, store.admin, ["all_keys"])  # type: ignore[attr-defined]
+        spy_mc = _Spy(monkeypatch, store.handle, ["put_from", "get_into", "get_ranges"])  # type: ignore[attr-defined]
+        meta = owner.kv_batch_put(["a", "b", "c"], fields, partition_id="rt")
+        try:
+            out = other.kv_batch_get(meta, select_fields=["ids", "r", "msg"])  # by meta: listing + data read
+            assert [r.tolist() for r in out["ids"].unbind()] == [r.tolist() for r in rows]
+            assert spy_admin.calls["all_keys"] == 1 and spy_mc.calls == {"put_from": 0, "get_into": 1, "get_ranges": 0}
+            meta2 = owner.kv_batch_put(["a", "b", "c"], {"adv": torch.zeros(3)}, partition_id="rt")
+            other.kv_batch_get(["a", "c"], partition_id="rt", select_fields=["adv", "r"])  # unseen put: + index read
+            assert spy_admin.calls["all_keys"] == 2 and spy_mc.calls["get_into"] == 3
+            other.kv_batch_get(meta2, select_fields=["adv"])  # steady state: listing + data read
+            assert spy_admin.calls["all_keys"] == 3 and spy_mc.calls["get_into"] == 4
+            other.kv_batch_put(["d"], {"r": torch.tensor([4.0])}, partition_id="rt")  # listing + one batch write
+            assert spy_admin.calls["all_keys"] == 4 and spy_mc.calls["put_from"] == 1
+        finally:
+            owner.kv_clear(partition_id="rt")
+
+    def test_stale_hint_never_returns_stale_data(self, owner: StoreClient, other: StoreClient) -> None:
+        old = owner.kv_batch_put(["a", "b"], {"x": torch.tensor([1, 2])}, partition_id="stale")
+        try:
+            assert other.kv_batch_get(old, select_fields="x")["x"].tolist() == [1, 2]
+            owner.kv_batch_put(["b"], {"x": torch.tensor([20])}, partition_id="stale")
+            assert other.kv_batch_get(old, select_fields="x")["x"].tolist() == [1, 20]
+            owner.kv_clear(["a"], partition_id="stale")
+            with pytest.raises(KeyNotFound, match="'a'"):
+                other.kv_batch_get(old, select_fields="x")
+            owner.kv_clear(partition_id="stale")
+            with pytest.raises(KeyNotFound):
+                other.kv_batch_get(old.subset([1]), select_fields="x")
+        finally:
+            owner.kv_clear(partition_id="stale")
+
+    def test_whole_put_lands_in_a_registered_buffer(self, owner: StoreClient, other: StoreClient) -> None:
+        values = torch.randn(64, 8192)  # 2 MiB: pooled
+        meta = owner.kv_batch_put([f"k{i}" for i in range(64)], {"x": values}, partition_id="zc")
+        try:
+            got = other.kv_batch_get(meta, select_fields="x")["x"]
+            assert bit_exact(got, values)
+            assert other.store.handle.covers(got.data_ptr(), got.numel() * 4)  # type: ignore[attr-defined]
+        finally:
+            owner.kv_clear(partition_id="zc")
+
+    def test_small_subset_uses_ranged_reads(
+        self, owner: StoreClient, other: StoreClient, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        rows = [torch.randint(0, 1000, (int(n),)) for n in torch.randint(1000, 5000, (64,))]
+        keys = [f"k{i}" for i in range(64)]
+        owner.kv_batch_put(keys, {"ids": _jagged(rows), "x": torch.randn(64, 4096)}, partition_id="rng")
+        spy = _Spy(monkeypatch, other.store.handle, ["get_ranges", "get_into"])  # type: ignore[attr-defined]
+        try:
+            pick = [40, 3, 4, 5, 60]
+            out = other.kv_batch_get([keys[i] for i in pick], partition_id="rng", select_fields=["ids", "x"])
+            assert spy.calls["get_ranges"] == 1
+            assert all(bit_exact(a, rows[i]) for a, i in zip(out["ids"].unbind(), pick, strict=True))
+            full = other.kv_batch_get(list(reversed(keys)), partition_id="rng", select_fields=["ids"])
+            assert all(bit_exact(a, b) for a, b in zip(full["ids"].unbind(), reversed(rows), strict=True))
+        finally:
+            owner.kv_clear(partition_id="rng")
+
+    def test_batches_are_chunked(self, owner: StoreClient, other: StoreClient, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(_mc_handle, "MAX_KEYS_PER_CALL", 2)
+        fields = {f"f{j}": torch.full((3, 2), j) for j in range(5)}
+        metas = [other.kv_batch_put([f"p{i}a", f"p{i}b", f"p{i}c"], fields, partition_id="chunk") for i in range(3)]
+        try:
+            keys = [k for m in metas for k in m.keys]
+            out = other.kv_batch_get(keys[::-1], partition_id="chunk", select_fields=list(fields))
+            assert all(out[f"f{j}"].eq(j).all() for j in range(5)) and out.batch_size[0] == 9
+        finally:
+            other.kv_clear(partition_id="chunk")
+
+    def test_clear_collects_superseded_objects(self, owner: StoreClient) -> None:
+        pid = "gc"
+        owner.kv_batch_put(["a", "b"], {"x": torch.zeros(2, 4)}, partition_id=pid)
+        owner.kv_batch_put(["a", "b"], {"x": torch.ones(2, 4)}, partition_id=pid)  # supersedes the first put
+        owner.kv_batch_put(["c"], {"x": torch.ones(1, 4)}, partition_id=pid)
+        head = "dataplane/gc/"
+        assert sum(k.startswith(head) for k in _all_keys(owner)) == 6  # 3 puts x (data + index)
+        owner.kv_clear(["a"], partition_id=pid)  # first put collected; a tombstone for a (b still reads put 2)
+        assert sum(k.startswith(head) for k in _all_keys(owner)) == 5
+        assert owner.kv_batch_get(["b", "c"], partition_id=pid, select_fields="x")["x"].eq(1).all()
+        owner.kv_clear(["b", "c"], partition_id=pid)  # nothing left: every object goes
+        assert not [k for k in _all_keys(owner) if k.startswith(head)]
+        assert owner.kv_list(pid) == {}
+
+    def test_partition_names_are_isolated(self, owner: StoreClient) -> None:
+        names = ["a", "a/i", "a.b", "über/1", "a%2Fi"]
+        try:
+            for i, name in enumerate(names):
+                owner.kv_batch_put(["k"], {"x": torch.tensor([i])}, partition_id=name)
+            for i, name in enumerate(names):
+                assert owner.kv_batch_get(["k"], partition_id=name, select_fields="x")["x"].tolist() == [i]
+            assert set(names) <= set(owner.kv_list())
+            owner.kv_clear(partition_id="a")
+            assert all(owner.kv_list(n).get(n) for n in names[1:])
+        finally:
+            for name in names:
+                owner.kv_clear(partition_id=name)
+
+    def test_keys_must_be_ascii(self, owner: StoreClient) -> None:
+        with pytest.raises(InvalidArgument, match="ASCII"):
+            owner.kv_batch_put(["ключ"], {"x": torch.zeros(1)}, partition_id="keys")
+        assert owner.kv_list("keys") == {}
+
+    def test_empty_fields_store_no_object(self, owner: StoreClient, other: StoreClient) -> None:
+        meta = owner.kv_batch_put(["a", "b"], {"t": _jagged([torch.zeros(0), torch.zeros(0)])}, partition_id="empty")
+        try:
+            assert not [k for k in _all_keys(owner) if k.startswith("dataplane/empty/d/")]
+            got = other.kv_batch_get(meta, select_fields="t")["t"]
+            assert [r.numel() for r in got.unbind()] == [0, 0]
+        finally:
+            owner.kv_clear(partition_id="empty")
+
+    def test_closed_handle_raises_instead_of_crashing(self, owner: StoreClient) -> None:
+        c = dataplane.connect(owner.store.join_url)  # type: ignore[attr-defined]
+        handle = c.store.handle  # type: ignore[attr-defined]
+        c.close()
+        with pytest.raises(ClientClosed):
+            handle.get_into(["x"], [0], [1])
+        with pytest.raises(ClientClosed):
+            c.store.get("p", ["a"], ["x"], meta=None, timeout_s=5)  # type: ignore[attr-defined]
+
+    def test_forked_child_gets_a_typed_error(self) -> None:
+        script = textwrap.dedent(
+            """
+            import os, sys, torch, dataplane
+            from dataplane.errors import BackendUnavailable
+            c = dataplane.connect("mooncake://local?segment_bytes=64MiB")
+            meta = c.kv_batch_put(["a"], {"x": torch.ones(1)}, partition_id="f")
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    c.kv_batch_get(meta, select_fields="x")
+                    msg = b"no error"
+                except BackendUnavailable as e:
+                    msg = b"typed" if b"fork" in str(e).encode() else str(e).encode()
+                except BaseException as e:
+                    msg = repr(e).encode()
+                os.write(w, msg)
+                os._exit(0)
+            os.close(w)
+            got = os.read(r, 1000)
+            _, status = os.waitpid(pid, 0)
+            assert c.kv_batch_get(meta, select_fields="x")["x"].tolist() == [1.0]  # the parent still works
+            c.close()
+            print(got.decode(), status)
+            """
+        )
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split() == ["typed", "0"], out.stdout
+
+    def test_full_store_raises_capacity_exceeded_and_writes_nothing(self) -> None:
+        with dataplane.connect("mooncake://local?segment_bytes=32MiB") as small:
+            small.kv_batch_put(["a"], {"x": torch.zeros(1, 1024)}, partition_id="cap")
+            before = small.kv_list()
+            with pytest.raises(CapacityExceeded):
+                small.kv_batch_put(
+                    ["b", "c"], {"x": torch.zeros(2, 1024), "big": torch.zeros(2, 6 << 20)}, partition_id="cap"
+                )
+            assert small.kv_list() == before
+            assert [k for k in _all_keys(small) if "/d/" in k and not k.endswith("/x")] == []
+            small.kv_batch_put(["b"], {"x": torch.ones(1, 1024)}, partition_id="cap")
+            assert small.kv_batch_get(["a", "b"], partition_id="cap", select_fields="x")["x"][1].eq(1).all()

@@ -1,0 +1,194 @@
+"""The Mooncake adapter's pure layer: names, put ids, index objects, folding and GC plans (no Mooncake needed)."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dataplane.adapters._mc_handle import error_for
+from dataplane.adapters._mc_index import (
+    PartitionState,
+    PutIndex,
+    decode_index,
+    encode_index,
+    index_prefix,
+    make_index,
+    new_put_id,
+    parse_index_key,
+    part_token,
+    partition_of_token,
+    partition_prefix,
+)
+from dataplane.errors import BackendUnavailable, CapacityExceeded, DataPlaneError, KeyNotFound
+from dataplane.schema import FieldSchema
+
+DENSE = FieldSchema(kind="dense", dtype=torch.float32, inner_shape=(2,))
+JAG = FieldSchema(kind="jagged", dtype=torch.int64)
+_SEQ = [0]
+
+
+def _put(keys: list[str], fields: dict[str, FieldSchema], tags: list[dict[str, Any]] | None = None) -> PutIndex:
+    pid = new_put_id("w")
+    entries: dict[str, tuple[FieldSchema, int, np.ndarray | None]] = {}
+    for name, schema in fields.items():
+        if schema.kind == "dense":
+            entries[name] = (schema, len(keys) * 8, None)
+        else:
+            off = np.arange(len(keys) + 1, dtype=np.int64) * 3
+            entries[name] = (schema, int(off[-1]) * 8, off)
+    body = encode_index(keys, entries, tags)
+    key = f"{index_prefix('ns', 'p')}{pid}.{len(body)}"
+    return decode_index(key, pid, body)
+
+
+def _del(keys: list[str]) -> PutIndex:
+    pid = new_put_id("w")
+    body = encode_index(keys, {}, None, op="del")
+    return decode_index(f"{index_prefix('ns', 'p')}{pid}.{len(body)}", pid, body)
+
+
+def test_put_ids_increase_and_sort() -> None:
+    ids = [new_put_id("abcd1234") for _ in range(1000)]
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
+
+
+@pytest.mark.parametrize("name", ["train", "a/i", "a.b", "val~1", "über", "x%2Fy", "sp ace", "a/d/1"])
+def test_partition_tokens_are_safe_and_distinct(name: str) -> None:
+    tok = part_token(name)
+    assert all(c.isalnum() or c in "_%-" for c in tok) and tok.isascii()
+    assert partition_of_token(tok) == name
+    others = ["a", "a/i", "a.b", "a/d", "val"]
+    for other in others:
+        if other != name:
+            assert not partition_prefix("ns", name).startswith(partition_prefix("ns", other))
+
+
+def test_index_key_parsing() -> None:
+    prefix = index_prefix("ns", "p")
+    assert parse_index_key(f"{prefix}0001-w.42", prefix) == ("0001-w", 42)
+    for bad in (f"{prefix}0001-w", f"{prefix}x/y.3", f"{prefix}.3", f"{prefix}a.b"):
+        assert parse_index_key(bad, prefix) is None
+
+
+def test_index_round_trip_and_make_index_agree() -> None:
+    off = np.array([0, 2, 2, 5], dtype=np.int64)
+    fields = {"t": (JAG, 40, off), "x": (DENSE, 24, None)}
+    tags = [{"r": 1.5}, {}, {"s": "x"}]
+    body = encode_index(["a", "b", "c"], fields, tags)
+    key = f"{index_prefix('ns', 'p')}0001-w.{len(body)}"
+    a = decode_index(key, "0001-w", body)
+    b = make_index(key, "0001-w", ["a", "b", "c"], fields, tags)
+    assert a.keys == b.keys == ("a", "b", "c") and a.tags == b.tags
+    for f in fields:
+        ea, eb = a.fields[f], b.fields[f]
+        assert ea.schema == eb.schema and ea.nbytes == eb.nbytes and ea.unit == eb.unit
+    assert a.fields["t"].span(2) == (2 * 8, 3 * 8) and a.fields["x"].span(1) == (8, 8)
+    assert a.data_key("t") == f"{partition_prefix('ns', 'p')}d/0001-w/t"
+    assert a.object_keys() == [a.data_key("t"), a.data_key("x"), key]
+    pickle.loads(pickle.dumps(a.fields["t"].schema))
+
+
+def test_corrupt_index_is_a_typed_error() -> None:
+    with pytest.raises(BackendUnavailable, match="unreadable"):
+        decode_index("k", "1-w", b"\x00garbage")
+
+
+def test_error_codes_map_to_typed_errors() -> None:
+    assert isinstance(error_for(-704, "x"), KeyNotFound)
+    assert isinstance(error_for(-200, "x"), CapacityExceeded)
+    assert isinstance(error_for(-800, "x"), BackendUnavailable)
+    assert isinstance(error_for(-900, "x"), BackendUnavailable)
+    err = error_for(-600, "x")
+    assert type(err) is DataPlaneError and "INVALID_PARAMS" in str(err)
+
+
+def test_fold_rewrite_tombstone_tags_and_gc() -> None:
+    p1 = _put(["a", "b"], {"x": DENSE, "t": JAG}, [{"r": 1}, {"r": 2}])
+    p2 = _put(["b"], {"x": DENSE}, [{"v": 3}])
+    p3 = _put(["a", "b"], {"adv": DENSE})
+    state = PartitionState.build([p3, p1, p2])
+    _, _, res = state.resolve(["a", "b"], ["x", "t", "adv"])
+    assert [(p.put_id, i) for p, i in res["x"].locs] == [(p1.put_id, 0), (p2.put_id, 0)]
+    assert [(p.put_id, i) for p, i in res["t"].locs] == [(p1.put_id, 0), (p1.put_id, 1)]
+    assert res["adv"].whole is p3
+    assert state.listing() == {"a": {"r": 1}, "b": {"r": 2, "v": 3}}
+    # clearing "a" keeps p1 (b still reads t from it) and needs a tombstone for a
+    garbage, need = state.garbage_after_delete(["a"])
+    assert garbage == [] and need
+    t = _del(["a"])
+    state = state.refresh({p.put_id: p for p in (p1, p2, p3, t)})
+    missing, _, _ = state.resolve(["a"], ["x"])
+    assert missing == ["a"]
+    # clearing "b" too: nothing is live, every put and the tombstone are garbage
+    garbage, need = state.garbage_after_delete(["b"])
+    assert {p.put_id for p in garbage} == {p1.put_id, p2.put_id, p3.put_id, t.put_id} and not need
+
+
+def test_missing_fields_and_schema_race() -> None:
+    p1 = _put(["a"], {"x": DENSE})
+    p2 = _put(["b"], {"x": JAG})  # lost a race on a new field: ignored
+    state = PartitionState.build([p1, p2])
+    assert state.schema["x"] == DENSE
+    missing_keys, missing_fields, _ = state.resolve(["a", "b"], ["x", "nope"])
+    assert not missing_keys and missing_fields == {"x": ["b"], "nope": ["a", "b"]}
+
+
+def test_refresh_is_incremental_in_order_and_rebuilds_otherwise() -> None:
+    p1, p2, p3 = _put(["a"], {"x": DENSE}), _put(["b"], {"x": DENSE}), _put(["a"], {"x": DENSE})
+    s = PartitionState.build([p1])
+    assert s.refresh({p.put_id: p for p in (p1, p3)}) is s  # newer: folded in place
+    rebuilt = s.refresh({p.put_id: p for p in (p1, p2, p3)})  # p2 older than p3: rebuild
+    assert rebuilt is not s and set(rebuilt.rows) == {"a", "b"}
+    assert rebuilt.resolve(["a"], ["x"])[2]["x"].locs[0][0] is p3
+
+
+_ops = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("put"),
+            st.lists(st.sampled_from("abcde"), min_size=1, max_size=4, unique=True),
+            st.lists(st.sampled_from(["x", "y", "z"]), min_size=1, max_size=3, unique=True),
+        ),
+        st.tuples(st.just("del"), st.lists(st.sampled_from("abcde"), min_size=1, max_size=3, unique=True), st.just([])),
+    ),
+    max_size=25,
+)
+
+
+@given(ops=_ops)
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+def test_fold_and_gc_match_a_dict_model(ops: list[tuple[str, list[str], list[str]]]) -> None:
+    """Folding equals a plain model; removing what a clear plans to collect never changes a read."""
+    model: dict[str, dict[str, tuple[str, int]]] = {}
+    puts: dict[str, PutIndex] = {}
+    for op, keys, fields in ops:
+        if op == "put":
+            p = _put(keys, dict.fromkeys(fields, DENSE), [{"n": i} for i in range(len(keys))])
+            puts[p.put_id] = p
+            for i, k in enumerate(keys):
+                model.setdefault(k, {}).update({f: (p.put_id, i) for f in fields})
+            continue
+        state = PartitionState.build(puts.values())
+        garbage, need = state.garbage_after_delete(keys)
+        for k in keys:
+            model.pop(k, None)
+        for g in garbage:
+            puts.pop(g.put_id)
+        if need:
+            t = _del(keys)
+            puts[t.put_id] = t
+        after = PartitionState.build(puts.values())
+        assert set(after.rows) == set(model)
+    state = PartitionState.build(puts.values())
+    assert set(state.rows) == set(model)
+    for k, row in model.items():
+        for f, want in row.items():
+            _, _, res = state.resolve([k], [f])
+            p, i = res[f].locs[0]
+            assert (p.put_id, i) == want

@@ -1,0 +1,200 @@
+"""mooncake:// across real processes: spawned writers and readers, a killed store server, a dead
+owner, teardown, and two deployments side by side."""
+
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pytest
+import torch
+
+import dataplane
+from dataplane.adapters._mooncake_procs import _pid_alive
+from dataplane.errors import BackendUnavailable, DataPlaneError, KeyNotFound
+from dataplane.store import StoreClient
+from dataplane.testing.strategies import bit_exact
+
+pytestmark = [
+    pytest.mark.mooncake,
+    pytest.mark.multiprocess,
+    pytest.mark.skipif(
+        importlib.util.find_spec("mooncake") is None,
+        reason="Mooncake is not installed (pip install 'dataplane[mooncake]')",
+    ),
+]
+
+CTX = mp.get_context("spawn")
+
+
+def _batch(seed: int, n: int = 16) -> tuple[list[str], dict[str, Any]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, 300, (n,), generator=g).tolist()
+    rows = [torch.randint(0, 150_000, (m,), generator=g) for m in lens]
+    fields = {
+        "input_ids": torch.nested.as_nested_tensor(rows, layout=torch.jagged),
+        "logp": torch.randn(n, 7, generator=g).to(torch.bfloat16),
+        "reward": torch.randn(n, generator=g),
+        "msg": [{"turn": i, "text": "x" * (i % 5)} for i in range(n)],
+    }
+    return [f"s{seed}_g{i}" for i in range(n)], fields
+
+
+def _same(out: Any, fields: dict[str, Any]) -> bool:
+    ok = out["msg"] == fields["msg"]
+    ok &= all(bit_exact(a, b) for a, b in zip(out["input_ids"].unbind(), fields["input_ids"].unbind(), strict=True))
+    return bool(ok and bit_exact(out["logp"], fields["logp"]) and bit_exact(out["reward"], fields["reward"]))
+
+
+def _writer(url: str, pid: str, seed: int, conn: Connection) -> None:
+    """Join, put one batch, send the meta, exit (closing the client: its rows must survive)."""
+    with dataplane.connect(url) as c:
+        keys, fields = _batch(seed)
+        conn.send(c.kv_batch_put(keys, fields, partition_id=pid))
+
+
+def _reader(url: str, metas: list[Any], conn: Connection) -> None:
+    with dataplane.connect(url) as c:
+        results = []
+        for meta in metas:
+            _, fields = _batch(int(meta.keys[0].split("_")[0][1:]))
+            by_meta = c.kv_batch_get(meta, select_fields=["input_ids", "logp", "reward", "msg"])
+            by_keys = c.kv_batch_get(list(meta.keys), partition_id=meta.partition_id, select_fields=list(fields))
+            results.append(_same(by_meta, fields) and _same(by_keys, fields))
+        conn.send((results, sorted(c.kv_list(metas[0].partition_id)[metas[0].partition_id])))
+
+
+def _run(target: Any, *args: Any, timeout: float = 120) -> Any:
+    parent, child = CTX.Pipe()
+    proc = CTX.Process(target=target, args=(*args, child))
+    proc.start()
+    try:
+        if not parent.poll(timeout):
+            raise TimeoutError(f"{target.__name__} sent nothing within {timeout}s")
+        return parent.recv()
+    finally:
+        proc.join(timeout=60)
+        assert proc.exitcode == 0, f"{target.__name__} exited with {proc.exitcode}"
+
+
+@pytest.fixture(scope="module")
+def owner() -> Iterator[StoreClient]:
+    c = dataplane.connect("mooncake://local?segment_bytes=128MiB")
+    assert isinstance(c, StoreClient)
+    yield c
+    c.close()
+
+
+def test_rows_outlive_their_writer_and_read_bit_exact_elsewhere(owner: StoreClient) -> None:
+    url = owner.store.join_url  # type: ignore[attr-defined]
+    meta = _run(_writer, url, "xp", 1)  # the writer process has exited when this returns
+    results, listed = _run(_reader, url, [meta])
+    assert results == [True] and listed == sorted(meta.keys)
+    owner.kv_clear(partition_id="xp")
+
+
+def test_concurrent_writer_processes_share_a_partition(owner: StoreClient) -> None:
+    url = owner.store.join_url  # type: ignore[attr-defined]
+    conns, procs = [], []
+    for seed in (2, 3, 4):
+        parent, child = CTX.Pipe()
+        proc = CTX.Process(target=_writer, args=(url, "shared", seed, child))
+        proc.start()
+        conns.append(parent)
+        procs.append(proc)
+    metas = []
+    for parent, proc in zip(conns, procs, strict=True):
+        assert parent.poll(120)
+        metas.append(parent.recv())
+        proc.join(timeout=60)
+        assert proc.exitcode == 0
+    results, listed = _run(_reader, url, metas)
+    assert results == [True, True, True]
+    assert listed == sorted(k for m in metas for k in m.keys)
+    merged = metas[0].concat(*metas[1:])
+    out = owner.kv_batch_get(merged, select_fields=["reward"])
+    assert out["reward"].shape == (48,)
+    owner.kv_clear(partition_id="shared")
+
+
+def _get_with_deadline(client: Any, meta: Any, seconds: float) -> tuple[BaseException | None, float]:
+    box: list[BaseException | None] = []
+    t0 = time.monotonic()
+
+    def work() -> None:
+        try:
+            client.kv_batch_get(meta, select_fields=["reward"])
+            box.append(None)
+        except BaseException as e:  # the typed error is the result
+            box.append(e)
+
+    th = threading.Thread(target=work, daemon=True)
+    th.start()
+    th.join(seconds)
+    assert box, f"get did not return within {seconds}s (hang)"
+    return box[0], time.monotonic() - t0
+
+
+def test_killed_store_server_gives_typed_errors_in_bounded_time() -> None:
+    c = dataplane.connect("mooncake://local?segment_bytes=64MiB&client_ttl_s=2&timeout_s=20")
+    try:
+        keys, fields = _batch(5)
+        meta = c.kv_batch_put(keys, fields, partition_id="doomed")
+        server = c.store.deployment.server  # type: ignore[attr-defined]
+        os.kill(server.pid, signal.SIGKILL)  # a process this test's deployment started
+        server._proc.wait(timeout=10)
+        err, took = _get_with_deadline(c, meta, 60)
+        assert isinstance(err, (BackendUnavailable, KeyNotFound)), repr(err)
+        assert took < 30
+        time.sleep(3)  # past client_ttl: the master forgets the dead segment
+        err, took = _get_with_deadline(c, meta, 60)
+        assert isinstance(err, (BackendUnavailable, KeyNotFound)), repr(err)
+        with pytest.raises(DataPlaneError):
+            c.kv_batch_put(keys, fields, partition_id="after")
+    finally:
+        c.close()
+
+
+def test_close_leaves_no_process_and_deployments_do_not_interfere() -> None:
+    a = dataplane.connect("mooncake://local?segment_bytes=64MiB")
+    b = dataplane.connect("mooncake://local?segment_bytes=64MiB")
+    pids_a = a.store.deployment.pids  # type: ignore[attr-defined]
+    pids_b = b.store.deployment.pids  # type: ignore[attr-defined]
+    assert set(pids_a).isdisjoint(pids_b)
+    a.kv_batch_put(["k"], {"x": torch.tensor([1])}, partition_id="p")
+    b.kv_batch_put(["k"], {"x": torch.tensor([2])}, partition_id="p")
+    assert a.kv_batch_get(["k"], partition_id="p", select_fields="x")["x"].tolist() == [1]
+    assert b.kv_batch_get(["k"], partition_id="p", select_fields="x")["x"].tolist() == [2]
+    a.close()
+    assert not any(_pid_alive(p) for p in pids_a)
+    assert b.kv_batch_get(["k"], partition_id="p", select_fields="x")["x"].tolist() == [2]
+    b.close()
+    assert not any(_pid_alive(p) for p in pids_b)
+
+
+def _owner_then_sleep(conn: Connection) -> None:
+    c = dataplane.connect("mooncake://local?segment_bytes=64MiB")
+    conn.send(c.store.deployment.pids)  # type: ignore[attr-defined]
+    time.sleep(600)  # killed by the test
+
+
+def test_services_die_with_their_owner() -> None:
+    parent, child = CTX.Pipe()
+    proc = CTX.Process(target=_owner_then_sleep, args=(child,))
+    proc.start()
+    assert parent.poll(120), "owner process did not start its deployment"
+    pids = parent.recv()
+    assert proc.pid is not None
+    os.kill(proc.pid, signal.SIGKILL)  # the owner process this test started
+    proc.join(timeout=10)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(_pid_alive(p) for p in pids):
+        time.sleep(0.2)
+    assert not any(_pid_alive(p) for p in pids), f"orphans left: {pids}"
