@@ -57,8 +57,27 @@ def _worker(role: str, conn: Connection, join_url: str, master: str, arena_bytes
 
         return wrapper
 
+    def _timed_get(fn: Any) -> Any:
+        """The adapter's share of a get: planning plus ``finish`` (the client decodes in between)."""
+
+        def started(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            cols, finish = fn(*a, **k)
+            planned = time.perf_counter() - t0
+
+            def timed_finish() -> Any:
+                t1 = time.perf_counter()
+                try:
+                    return finish()
+                finally:
+                    inner["get"] = planned + time.perf_counter() - t1
+
+            return cols, timed_finish
+
+        return started
+
     client.store.put = _timed("put", client.store.put)  # type: ignore[attr-defined]
-    client.store.get = _timed("get", client.store.get)  # type: ignore[attr-defined]
+    client.store.get_started = _timed_get(client.store.get_started)  # type: ignore[attr-defined]
     loaded = -1
     conn.send(("ready", os.getpid()))
     try:

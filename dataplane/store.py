@@ -9,15 +9,19 @@ the closed state. Adapters enforce the per-(partition, field) schema atomically 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
+import torch
 from tensordict import TensorDict
 
 from dataplane.client import Capabilities, DataPlaneClient, FieldsIn, KeysOrMeta, Listing, PadValues
+from dataplane.codec.jagged import lengths_of
 from dataplane.codec.wire import Column, Layout, decode_columns, encode_fields, validate_field_name
 from dataplane.errors import ClientClosed, DataPlaneError, InvalidArgument, SchemaError
 from dataplane.meta import KVBatchMeta
@@ -71,6 +75,25 @@ class KVStore(ABC):
         timeout_s: float,
     ) -> Mapping[str, Column]: ...
 
+    def get_started(
+        self,
+        partition_id: str,
+        keys: Sequence[str],
+        fields: Sequence[str],
+        *,
+        meta: KVBatchMeta | None,
+        timeout_s: float,
+    ) -> tuple[Mapping[str, Column], Callable[[], Mapping[str, Column] | None]]:
+        """A get that may return before its bytes have landed, so decoding overlaps the transfer.
+
+        Returns the columns (their shapes and offsets final, their buffers possibly still filling)
+        and ``finish``. The client always calls ``finish()`` before handing anything out: it blocks
+        until the buffers are full, raises what ``get`` would raise, and returns None, or other
+        columns to use instead (when the store learned meanwhile that it read the wrong objects).
+        The default is a plain :meth:`get`.
+        """
+        return self.get(partition_id, keys, fields, meta=meta, timeout_s=timeout_s), _finished
+
     @abstractmethod
     def clear(self, partition_id: str, keys: Sequence[str] | None, *, timeout_s: float) -> None: ...
 
@@ -82,6 +105,10 @@ class KVStore(ABC):
 
     def validate_keys(self, keys: Sequence[str]) -> None:  # noqa: B027 - optional hook
         """Adapter-specific key rules (raise ``InvalidArgument``); the core checks the common ones."""
+
+
+def _finished() -> None:
+    return None
 
 
 def _check_partition(partition_id: object) -> str:
@@ -155,17 +182,17 @@ def _check_select(select_fields: object) -> list[str]:
 
 def _common_lengths(columns: Mapping[str, Column]) -> tuple[int, ...] | None:
     """Row lengths when every jagged field of the put agrees on them."""
-    found = None
+    found: torch.Tensor | None = None
     for col in columns.values():
         if col.schema.kind != "jagged":
             continue
-        lens = col.lengths()
-        assert lens is not None
+        offsets = col.offsets
+        assert offsets is not None
         if found is None:
-            found = lens
-        elif not bool((found == lens).all()):
+            found = offsets
+        elif offsets is not found and not torch.equal(found, offsets):  # equal offsets <=> equal lengths
             return None
-    return None if found is None else tuple(found.tolist())
+    return None if found is None else tuple(lengths_of(found).tolist())
 
 
 class StoreClient(DataPlaneClient):
@@ -229,15 +256,19 @@ class StoreClient(DataPlaneClient):
         self._store.validate_keys(key_list)
         tag_list = _check_tags(tags, len(key_list))
         columns = encode_fields(fields, len(key_list), pickle_fields=self.pickle_fields)
-        extra = self._store.put(pid, key_list, columns, tag_list, timeout_s=self.timeout_s)
-        return KVBatchMeta(
+        # Built before the write: right after moving many bytes, the same Python work runs slower
+        # (cold caches), and nothing here depends on the write but the adapter's extra_info.
+        meta = KVBatchMeta(
             partition_id=pid,
             keys=tuple(key_list),
             fields=tuple(columns),
             sequence_lengths=_common_lengths(columns),
             tags=None if tag_list is None else tuple(tag_list),
-            extra_info=extra or {},
         )
+        extra = self._store.put(pid, key_list, columns, tag_list, timeout_s=self.timeout_s)
+        if extra:
+            meta.extra_info.update(extra)  # the meta's own dict, not yet shared with anyone
+        return meta
 
     def _resolve(self, keys_or_meta: KeysOrMeta, partition_id: str | None) -> tuple[str, list[str], KVBatchMeta | None]:
         if isinstance(keys_or_meta, KVBatchMeta):
@@ -270,18 +301,50 @@ class StoreClient(DataPlaneClient):
             raise InvalidArgument(f"pad_to_multiple must be an int >= 1, got {pad_to_multiple!r}")
         if pad_to_length is not None and (not isinstance(pad_to_length, int) or pad_to_length < 0):
             raise InvalidArgument(f"pad_to_length must be an int >= 0 or None, got {pad_to_length!r}")
-        columns = self._store.get(pid, keys, fields, meta=meta, timeout_s=self.timeout_s)
+        columns, finish = self._store.get_started(pid, keys, fields, meta=meta, timeout_s=self.timeout_s)
+        decode = functools.partial(
+            self._decode,
+            fields=fields,
+            num_rows=len(keys),
+            layout=layout,
+            pad_values=pad_values,
+            pad_to_multiple=pad_to_multiple,
+            pad_to_length=pad_to_length,
+        )
+        if layout == "padded" or any(c.schema.kind == "object" for c in columns.values()):
+            again = finish()  # padding and object decoding read the bytes: they must have landed
+            return decode(columns if again is None else again)
+        try:  # jagged and dense fields only wrap the buffers: decode while they fill
+            out = decode(columns)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the transfer must end before its buffers are freed
+                finish()
+            raise
+        again = finish()
+        return out if again is None else decode(again)
+
+    def _decode(
+        self,
+        columns: Mapping[str, Column],
+        *,
+        fields: list[str],
+        num_rows: int,
+        layout: Layout,
+        pad_values: PadValues,
+        pad_to_multiple: int,
+        pad_to_length: int | None,
+    ) -> TensorDict:
         for f in fields:
             col = columns.get(f)
-            if col is None or col.num_rows != len(keys):
+            if col is None or col.num_rows != num_rows:
                 got = "no column" if col is None else f"{col.num_rows} rows"
                 raise DataPlaneError(
-                    f"{self.capabilities.backend} adapter returned {got} for field {f!r} of {len(keys)} keys; "
+                    f"{self.capabilities.backend} adapter returned {got} for field {f!r} of {num_rows} keys; "
                     "this is an adapter bug, please report it"
                 )
         return decode_columns(
             {f: columns[f] for f in fields},
-            len(keys),
+            num_rows,
             layout=layout,
             pad_values=pad_values,
             pad_to_multiple=pad_to_multiple,

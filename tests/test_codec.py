@@ -9,7 +9,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dataplane.codec import encode_fields, materialize, offsets_from_lengths, pack, pack_nested, padded_width, to_nested
+from dataplane.codec import (
+    RaggedCache,
+    encode_fields,
+    materialize,
+    offsets_from_lengths,
+    pack,
+    pack_nested,
+    padded_width,
+    to_nested,
+)
 from dataplane.codec.objects import decode_objects, encode_objects
 from dataplane.errors import InvalidArgument, SchemaError
 from dataplane.testing.strategies import ALL_DTYPES, bit_exact, object_values, random_tensor
@@ -69,6 +78,41 @@ def test_nested_round_trip(lens: list[int], dtype: torch.dtype) -> None:
             strided = torch.nested.nested_tensor(rows)
         v2, o2 = pack_nested(strided)
         assert bit_exact(v2, values) and torch.equal(o2, offsets)
+
+
+@given(st.lists(st.integers(0, 30), min_size=1, max_size=12), st.sampled_from(ALL_DTYPES))
+@FAST
+def test_to_nested_matches_torch_constructor(lens: list[int], dtype: torch.dtype) -> None:
+    values = random_tensor((sum(lens), 2), dtype, 7)
+    offsets = offsets_from_lengths(lens)
+    ours = to_nested(values, offsets)
+    ref = torch.nested.nested_tensor_from_jagged(values, offsets)
+    assert ours.is_nested and ours.layout == torch.jagged and ours.dtype == dtype
+    assert ours.shape[0] == ref.shape[0] and ours.shape[2:] == ref.shape[2:]
+    assert ours.values().data_ptr() == values.data_ptr()  # a view: no copy
+    assert all(bit_exact(a, b) for a, b in zip(ours.unbind(), ref.unbind(), strict=True))
+    if lens and max(lens) > 0:
+        assert ours._max_seqlen == max(lens) and ours._min_seqlen == min(lens)  # type: ignore[attr-defined]
+
+
+def test_ragged_cache_shares_offsets_of_equal_lengths() -> None:
+    cache = RaggedCache()
+    a = cache(offsets_from_lengths([2, 3]))
+    assert cache(offsets_from_lengths([2, 3])) is a  # equal values, another tensor
+    assert cache(offsets_from_lengths([3, 2])) is not a
+    x = to_nested(torch.arange(5.0), a.offsets, ragged=a)
+    y = to_nested(torch.ones(5), a.offsets, ragged=a)
+    assert (x + y).values().tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+def test_pack_nested_of_views_and_holes() -> None:
+    values = torch.arange(10)
+    nt = torch.nested.nested_tensor_from_jagged(values, torch.tensor([2, 4, 7]))  # starts at 2, ends before 10
+    v, o = pack_nested(nt)
+    assert v.tolist() == [2, 3, 4, 5, 6] and o.tolist() == [0, 2, 5]
+    holes = torch.nested.nested_tensor_from_jagged(values, torch.tensor([0, 4, 8]), lengths=torch.tensor([1, 3]))
+    v, o = pack_nested(holes)
+    assert v.tolist() == [0, 4, 5, 6] and o.tolist() == [0, 1, 4]
 
 
 def test_equal_lengths_are_zero_copy() -> None:

@@ -10,7 +10,7 @@ whichever the cost model says is cheaper.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,6 +64,12 @@ class Reader:
 
     def read(self, resolved: Mapping[str, Resolved], deadline: float) -> dict[str, Column]:
         """The columns, or raises a typed error (``Vanished`` when an object disappeared)."""
+        out, fill = self.plan(resolved)
+        fill(deadline)
+        return out
+
+    def plan(self, resolved: Mapping[str, Resolved]) -> tuple[dict[str, Column], Callable[[float], None]]:
+        """The columns, whose buffers are empty until the returned ``fill(deadline)`` has run."""
         out: dict[str, Column] = {}
         ops: list[_Op] = []
         gathers: list[_Gather] = []
@@ -72,11 +78,14 @@ class Reader:
             out[field] = col
             ops += field_ops
             gathers += field_gathers
-        self._run(ops, deadline)
-        for dst, stage, runs in gathers:
-            for d, src, n in runs:
-                dst[d : d + n] = stage[src : src + n]
-        return out
+
+        def fill(deadline: float) -> None:
+            self._run(ops, deadline)
+            for dst, stage, runs in gathers:
+                for d, src, n in runs:
+                    dst[d : d + n] = stage[src : src + n]
+
+        return out, fill
 
     def _plan_field(self, field: str, res: Resolved) -> tuple[Column, list[_Op], list[_Gather]]:
         schema, locs = res.schema, res.locs

@@ -8,12 +8,16 @@ into a padded tensor, or ``to_nested`` into a jagged nested tensor, without copy
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from dataplane.errors import InvalidArgument, SchemaError
 
 __all__ = [
+    "Ragged",
+    "RaggedCache",
     "lengths_of",
     "materialize",
     "offsets_from_lengths",
@@ -25,6 +29,25 @@ __all__ = [
 ]
 
 PadValue = bool | int | float
+
+# torch's jagged nested tensor class. Reading its attributes directly, and building it directly,
+# skips a __torch_function__ round per property (~8 us each) and a dispatcher round per tensor
+# (~50 us): per field, that is most of the cost of a small get. Public APIs are the fallback.
+try:
+    from torch.nested._internal import nested_tensor as _njt_module
+except ImportError:  # pragma: no cover - other torch versions take the public path
+    _njt_module = None  # type: ignore[assignment]
+_NJT: Any = getattr(_njt_module, "NestedTensor", None)
+_store_val_in_tensor: Any = getattr(_njt_module, "_store_val_in_tensor", None)
+if _store_val_in_tensor is None:  # pragma: no cover
+    _NJT = None
+
+
+def is_jagged_nested(t: object) -> bool:
+    """True for a jagged-layout nested tensor (without a __torch_function__ round when possible)."""
+    if _NJT is not None and type(t) is _NJT:
+        return True
+    return isinstance(t, torch.Tensor) and t.is_nested and t.layout == torch.jagged
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -71,26 +94,14 @@ def pack(padded: torch.Tensor, lengths: torch.Tensor | Sequence[int]) -> tuple[t
 
 def pack_nested(nt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A nested tensor (jagged or strided layout, ragged in its first row dim) -> ``(values, offsets)``."""
+    if _NJT is not None and type(nt) is _NJT:
+        njt: Any = nt
+        return _pack_jagged(njt._ragged_idx, njt._values, njt._offsets, njt._lengths)
     if not nt.is_nested:
         raise SchemaError("pack_nested needs a nested tensor")
     if nt.layout == torch.jagged:
-        if nt._ragged_idx != 1:  # type: ignore[attr-defined]
-            raise SchemaError("jagged nested tensors must be ragged in dim 1 (rows of [L_i, *inner])")
-        # The attributes skip a __torch_function__ round per accessor (~30 us each, per field).
-        values = getattr(nt, "_values", None)
-        offsets = getattr(nt, "_offsets", None)
-        if values is None or offsets is None:
-            values, offsets = nt.values(), nt.offsets()  # type: ignore[attr-defined]
-        holes = getattr(nt, "_lengths", None)
-        offsets = offsets.to(torch.int64)
-        if holes is not None:  # non-contiguous jagged (with holes): gather rows
-            rows = [values[int(offsets[i]) : int(offsets[i]) + int(holes[i])] for i in range(holes.numel())]
-            values = torch.cat(rows) if rows else values[:0]
-            offsets = offsets_from_lengths(holes)
-        elif int(offsets[0]) != 0 or int(offsets[-1]) != values.shape[0]:
-            values = values[int(offsets[0]) : int(offsets[-1])]
-            offsets = offsets - offsets[0]
-        return values, offsets
+        values, offsets = nt.values(), nt.offsets()  # type: ignore[attr-defined]
+        return _pack_jagged(getattr(nt, "_ragged_idx", 1), values, offsets, getattr(nt, "_lengths", None))
     rows = list(nt.unbind())
     if rows and any(r.dim() == 0 for r in rows):
         raise SchemaError("nested rows must have at least one dimension")
@@ -101,13 +112,76 @@ def pack_nested(nt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.cat(rows) if rows else torch.empty(0)), offsets
 
 
-def to_nested(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """``(values, offsets)`` -> a jagged-layout nested tensor that views ``values`` (no copy)."""
-    lens = lengths_of(offsets)
-    if lens.numel() == 0:
-        return torch.nested.nested_tensor_from_jagged(values, offsets)
-    lo, hi = torch.aminmax(lens)
-    return torch.nested.nested_tensor_from_jagged(values, offsets, min_seqlen=int(lo), max_seqlen=int(hi))
+@dataclass(frozen=True, slots=True)
+class Ragged:
+    """Row structure of a jagged field: offsets plus the row-length range, computed once.
+
+    Fields of one batch that have the same row lengths share one :class:`Ragged`, so their nested
+    tensors share one offsets tensor and therefore one ragged dim: ``out["logprobs"] * out["mask"]``
+    works on the nested tensors a get returns.
+    """
+
+    offsets: torch.Tensor
+    lengths: torch.Tensor
+    min_len: int
+    max_len: int
+
+    @classmethod
+    def of(cls, offsets: torch.Tensor) -> Ragged:
+        lens = lengths_of(offsets)
+        if lens.numel() == 0:
+            return cls(offsets, lens, 0, 0)
+        lo, hi = torch.aminmax(lens)
+        return cls(offsets, lens, int(lo), int(hi))
+
+
+class RaggedCache:
+    """Finds the :class:`Ragged` of offsets already seen (same object, or equal values)."""
+
+    def __init__(self) -> None:
+        self._seen: list[Ragged] = []
+
+    def __call__(self, offsets: torch.Tensor) -> Ragged:
+        for r in self._seen:
+            if r.offsets is offsets:
+                return r
+        for r in self._seen:
+            o = r.offsets
+            if o.shape == offsets.shape and o.device == offsets.device and torch.equal(o, offsets):
+                return r
+        r = Ragged.of(offsets)
+        self._seen.append(r)
+        return r
+
+
+def _pack_jagged(
+    ragged_idx: int, values: torch.Tensor, offsets: torch.Tensor, holes: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if ragged_idx != 1:
+        raise SchemaError("jagged nested tensors must be ragged in dim 1 (rows of [L_i, *inner])")
+    offsets = offsets.to(torch.int64)
+    if holes is not None:  # non-contiguous jagged (with holes): gather rows
+        cuts, lens = offsets.tolist(), holes.tolist()
+        rows = [values[cuts[i] : cuts[i] + lens[i]] for i in range(len(lens))]
+        return (torch.cat(rows) if rows else values[:0]), offsets_from_lengths(holes)
+    lo, hi = int(offsets[0]), int(offsets[-1])
+    if lo != 0 or hi != values.shape[0]:
+        return values[lo:hi], offsets - lo
+    return values, offsets
+
+
+def to_nested(values: torch.Tensor, offsets: torch.Tensor, *, ragged: Ragged | None = None) -> torch.Tensor:
+    """``(values, offsets)`` -> a jagged-layout nested tensor that views ``values`` (no copy).
+
+    ``ragged`` (from :class:`RaggedCache`) reuses another field's offsets and length range.
+    """
+    r = ragged if ragged is not None else Ragged.of(offsets)
+    if r.lengths.numel() == 0:
+        return torch.nested.nested_tensor_from_jagged(values, r.offsets)
+    if _NJT is not None and not values.requires_grad and values.device == r.offsets.device:
+        cache = {"min_seqlen": _store_val_in_tensor(r.min_len), "max_seqlen": _store_val_in_tensor(r.max_len)}
+        return _NJT(values, r.offsets, _metadata_cache=cache)  # type: ignore[no-any-return]
+    return torch.nested.nested_tensor_from_jagged(values, r.offsets, min_seqlen=r.min_len, max_seqlen=r.max_len)
 
 
 def padded_width(max_length: int, pad_to_multiple: int = 1, pad_to_length: int | None = None) -> int:
@@ -132,18 +206,21 @@ def materialize(
     pad_value: PadValue = 0,
     pad_to_multiple: int = 1,
     pad_to_length: int | None = None,
+    ragged: Ragged | None = None,
 ) -> torch.Tensor:
     """``(values, offsets)`` -> padded ``[B, W, *inner]``; a view of ``values`` when no padding is needed.
+
+    ``ragged`` (from :class:`RaggedCache`) reuses the row lengths another field already computed.
 
     >>> materialize(torch.tensor([1, 2, 3]), torch.tensor([0, 2, 3]), pad_value=-1).tolist()
     [[1, 2], [3, -1]]
     """
     b = offsets.numel() - 1
-    lens = lengths_of(offsets)
-    max_len = int(lens.max()) if b else 0
+    r = ragged if ragged is not None else Ragged.of(offsets)
+    lens, max_len = r.lengths, r.max_len
     width = padded_width(max_len, pad_to_multiple, pad_to_length)
     inner = tuple(values.shape[1:])
-    if b and width == max_len and bool((lens == width).all()) and values.is_contiguous():
+    if b and width == r.min_len and values.is_contiguous():
         return values.view(b, width, *inner)
     out = torch.full((b, width, *inner), pad_value, dtype=values.dtype, device=values.device)
     if b == 0 or values.shape[0] == 0:

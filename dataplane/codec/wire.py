@@ -16,12 +16,20 @@ import numpy as np
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
-from dataplane.codec.jagged import PadValue, lengths_of, materialize, pack_nested, to_nested
+from dataplane.codec.jagged import (
+    PadValue,
+    RaggedCache,
+    is_jagged_nested,
+    lengths_of,
+    materialize,
+    pack_nested,
+    to_nested,
+)
 from dataplane.codec.objects import decode_objects, encode_objects
 from dataplane.errors import InvalidArgument, SchemaError
 from dataplane.schema import FieldSchema, dtype_name
 
-__all__ = ["Column", "Layout", "decode_columns", "encode_fields", "validate_field_name"]
+__all__ = ["Column", "Layout", "decode_columns", "encode_fields", "tensordict_of", "validate_field_name"]
 
 Layout = Literal["jagged", "padded"]
 _FIELD_RE = re.compile(r"^[A-Za-z0-9_.:@+=/-]{1,200}$")
@@ -89,7 +97,12 @@ def _column_from(field: str, value: Any, num_rows: int, pickle_fields: Collectio
         raise SchemaError(f"field {field!r} is a nested TensorDict; flatten it first (td.flatten_keys('.'))")
     if isinstance(value, np.ndarray):
         value = value.tolist() if value.dtype == object else torch.from_numpy(np.ascontiguousarray(value))
-    if isinstance(value, torch.Tensor):
+    if is_jagged_nested(value):  # before any tensor property: each is a __torch_function__ round on a nested tensor
+        values, offsets = pack_nested(value)
+        values, offsets = _as_tensor_leaf(field, values), offsets.cpu()
+        schema = FieldSchema(kind="jagged", dtype=values.dtype, inner_shape=tuple(values.shape[1:]))
+        col = Column(schema, values, offsets)
+    elif isinstance(value, torch.Tensor):
         t = _as_tensor_leaf(field, value)
         if t.is_nested:
             values, offsets = pack_nested(t)
@@ -165,6 +178,7 @@ def decode_columns(
     if layout not in ("jagged", "padded"):
         raise InvalidArgument(f"layout must be 'jagged' or 'padded', got {layout!r}")
     out: dict[str, Any] = {}
+    ragged = RaggedCache()  # fields with equal row lengths share offsets (and one ragged dim)
     for field, col in columns.items():
         kind = col.schema.kind
         if kind == "dense":
@@ -182,7 +196,22 @@ def decode_columns(
                 pad_value=_pad_value_for(field, pad_values),
                 pad_to_multiple=pad_to_multiple,
                 pad_to_length=pad_to_length,
+                ragged=ragged(col.offsets),
             )
         else:
-            out[field] = to_nested(col.values, col.offsets)
-    return TensorDict(out, batch_size=[num_rows])
+            out[field] = to_nested(col.values, col.offsets, ragged=ragged(col.offsets))
+    return tensordict_of(out, num_rows)
+
+
+def tensordict_of(items: dict[str, Any], num_rows: int) -> TensorDict:
+    """A TensorDict of ``items``, whose leading dims are already known to be ``num_rows``.
+
+    The public constructor re-checks every leaf's batch dim (~12 us a nested tensor, so 0.4 ms for
+    32 fields); the values here come from our own decoding, whose row counts the client checked.
+    """
+    new_unsafe = getattr(TensorDict, "_new_unsafe", None)
+    if new_unsafe is None:  # pragma: no cover - other tensordict versions
+        return TensorDict(items, batch_size=[num_rows])
+    td = new_unsafe(items, batch_size=torch.Size([num_rows]), nested=False)
+    assert isinstance(td, TensorDict)
+    return td

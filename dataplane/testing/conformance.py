@@ -99,6 +99,19 @@ class ClientConformance:
         for i, r in enumerate(rows):
             assert bit_exact(padded[i, : r.shape[0]], r)
 
+    def test_fields_with_equal_lengths_share_a_ragged_dim(self, client: DataPlaneClient, pid: str) -> None:
+        lens = (3, 1, 5)
+        logp = [torch.randn(n) for n in lens]
+        mask = [torch.rand(n) > 0.5 for n in lens]
+        keys = ["a", "b", "c"]
+        client.kv_batch_put(keys, {"logp": _jagged(logp)}, partition_id=pid)
+        client.kv_batch_put(keys, {"mask": _jagged(mask), "ids": _jagged([torch.arange(2)] * 3)}, partition_id=pid)
+        out = client.kv_batch_get(keys, partition_id=pid, select_fields=["logp", "mask", "ids"])
+        masked = out["logp"] * out["mask"]  # one ragged dim: elementwise ops between fields just work
+        for got, lp, m in zip(masked.unbind(), logp, mask, strict=True):
+            assert bit_exact(got, lp * m)
+        assert out["ids"].shape[1] != out["logp"].shape[1]  # other lengths: another ragged dim
+
     def test_padding_options(self, client: DataPlaneClient, pid: str) -> None:
         rows = [torch.arange(n) + 1 for n in (3, 5, 1)]
         meta = client.kv_batch_put(
