@@ -15,4 +15,4 @@ try:
 except ImportError:
     _MOONCAKE = []
 
-BACKENDS += _TQ + _MOONCAKE
+BACKENDS += _MOONCAKE + _TQ  # the direct path first: its teardown overlaps TransferQueue's start-up

@@ -2,12 +2,12 @@
 
 The raw ceiling moves the same bytes in the layout the adapter uses (one object per field, rows back
 to back) with ``batch_put_from`` / ``batch_get_into`` between registered buffers, from a client that
-lends no segment, into a store server of its own deployment, so ours/raw isolates our layer.
+lends no segment, into the same master and store server as the benchmark's client, so ours/raw
+isolates our layer.
 """
 
 from __future__ import annotations
 
-import atexit
 import time
 from typing import Any
 
@@ -19,7 +19,7 @@ from benchmarks.workload import Batch
 
 __all__ = ["BACKENDS", "RawMooncake", "field_buffers"]
 
-SEGMENT_BYTES = 3 << 30
+SEGMENT_BYTES = 4 << 30  # ours and the raw ceiling's objects share the one store server
 
 
 def field_buffers(batch: Batch) -> list[tuple[str, torch.Tensor]]:
@@ -94,41 +94,43 @@ class RawMooncake:
         self.store.close()
 
 
-_RAW: dict[str, Any] = {}
+_RAW: dict[str, RawMooncake] = {}  # master address -> the raw client, reused across cases
 
 
-def _raw_deployment() -> str:
-    """A master and store server of its own for the raw ceiling (stopped at exit)."""
-    if "master" not in _RAW:
-        from dataplane.adapters import _mooncake_procs as procs
-
-        master = procs.start_master()
-        server = procs.start_store_server(master, segment_bytes=SEGMENT_BYTES, launch="path")
-        _RAW.update(master=master, server=server)
-        atexit.register(lambda: (server.stop(), master.stop()))
-    return str(_RAW["master"].address)
+def _raw_client(master: str, nbytes: int) -> RawMooncake:
+    raw = _RAW.get(master)
+    if raw is not None and raw.src.nbytes >= nbytes:
+        return raw
+    if raw is not None:
+        raw.close()
+    raw = _RAW[master] = RawMooncake(master, max(nbytes, 64 << 20))
+    return raw
 
 
-def raw_seconds(batch: Batch, repeat: int) -> tuple[list[float], list[float]]:
+def close_raw_clients() -> None:
+    """Close the raw clients (before their deployment stops)."""
+    while _RAW:
+        _RAW.popitem()[1].close()
+
+
+def raw_seconds(batch: Batch, repeat: int, client: Any) -> tuple[list[float], list[float]]:
+    """Raw Mooncake against the benchmark client's own master and store server."""
     buffers = field_buffers(batch)
     total = sum(b.numel() for _, b in buffers)
-    raw = RawMooncake(_raw_deployment(), total)
-    try:
-        raw.load(buffers)
-        puts, gets = [], []
-        for i in range(repeat + 1):
-            keys = [f"raw/{i}/{name}" for name, _ in buffers]
-            tp = raw.put(keys)
-            tg = raw.get(keys)
-            if i == 0 and not np.array_equal(raw.src[:total], raw.dst[:total]):
-                raise RuntimeError("raw Mooncake round trip is not bit-exact")
-            raw.remove(keys)
-            if i:
-                puts.append(tp)
-                gets.append(tg)
-        return puts, gets
-    finally:
-        raw.close()
+    raw = _raw_client(client.store.master_address, total)
+    raw.load(buffers)
+    puts, gets = [], []
+    for i in range(repeat + 1):
+        keys = [f"raw/{i}/{name}" for name, _ in buffers]
+        tp = raw.put(keys)
+        tg = raw.get(keys)
+        if i == 0 and not np.array_equal(raw.src[:total], raw.dst[:total]):
+            raise RuntimeError("raw Mooncake round trip is not bit-exact")
+        raw.remove(keys)
+        if i:
+            puts.append(tp)
+            gets.append(tg)
+    return puts, gets
 
 
 def _reader_url(client: Any) -> tuple[str, dict[str, Any]]:
@@ -142,5 +144,6 @@ BACKENDS: list[BenchBackend] = [
         requires=("mooncake",),
         raw=raw_seconds,
         reader_url=_reader_url,
+        before_close=close_raw_clients,
     )
 ]

@@ -19,7 +19,7 @@ from benchmarks.workload import Batch
 __all__ = ["BACKENDS"]
 
 
-def raw_seconds(batch: Batch, repeat: int) -> tuple[list[float], list[float]]:
+def raw_seconds(batch: Batch, repeat: int, client: Any = None) -> tuple[list[float], list[float]]:
     """Median-able put/get seconds of ``transfer_queue.kv_batch_put/kv_batch_get`` on ``batch``."""
     import transfer_queue as tq
     from tensordict import TensorDict
@@ -52,6 +52,15 @@ def reader_url(client: Any) -> tuple[str, dict[str, Any]]:
     return "tq://", {"ray_address": ray.get_runtime_context().gcs_address}
 
 
+def own_master() -> tuple[dict[str, Any], Any]:
+    """A ``mooncake_master`` for ``tq-mooncake``, started while other backends run (it takes ~3 s to
+    settle); TransferQueue joins it (``master=``) and the benchmark stops it after the client."""
+    from dataplane.adapters._mooncake_procs import start_master
+
+    master = start_master()
+    return {"master": master.address}, master.stop
+
+
 BACKENDS: list[BenchBackend] = [
     BenchBackend(
         name="tq-simple",
@@ -66,5 +75,6 @@ BACKENDS: list[BenchBackend] = [
         requires=("transfer_queue", "ray", "mooncake"),
         raw=raw_seconds,
         reader_url=reader_url,
+        prepare=own_master,
     ),
 ]

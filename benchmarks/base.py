@@ -13,18 +13,24 @@ from benchmarks.workload import Batch
 class BenchBackend:
     """One backend in the benchmark: how to open a client, and optionally its raw API.
 
-    ``raw`` receives the batch and the repeat count and returns (put seconds, get seconds) lists
-    measured through the backend's own API, without dataplane in between.
+    ``raw`` receives the batch, the repeat count and the benchmark's client of this backend, and
+    returns (put seconds, get seconds) lists measured through the backend's own API, without
+    dataplane in between (against the same deployment as the client, where that applies).
     """
 
     name: str
     url: str
     requires: tuple[str, ...] = ()
     options: dict[str, Any] = field(default_factory=dict)
-    raw: Callable[[Batch, int], tuple[list[float], list[float]]] | None = None
+    raw: Callable[[Batch, int, Any], tuple[list[float], list[float]]] | None = None
     # URL and options another process uses to reach the store this client is attached to; None: the
     # backend is in-process only, so --readers does not apply.
     reader_url: Callable[[Any], tuple[str, dict[str, Any]]] | None = None
+    # run before the benchmark closes its client (e.g. to close raw clients of the same deployment)
+    before_close: Callable[[], None] | None = None
+    # starts services the backend will use, early and on a thread (they mostly wait while they boot);
+    # returns extra connect options and a cleanup run after the client is closed
+    prepare: Callable[[], tuple[dict[str, Any], Callable[[], None]]] | None = None
 
     def missing(self) -> list[str]:
         import importlib.util

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import platform
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -31,6 +34,7 @@ from benchmarks.workload import Batch, flat_views, human_bytes, make_batch, medi
 
 SCHEMA_VERSION = 1
 MB = 1 << 20
+CLOSE_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -93,24 +97,30 @@ def memcpy_seconds(batch: Batch, repeat: int) -> list[float]:
 
 
 def run_case(
-    client: dataplane.DataPlaneClient, batch: Batch, repeat: int, layout: str
+    client: dataplane.DataPlaneClient, batch: Batch, repeat: int, readers: ReaderPool | None = None
 ) -> tuple[list[float], list[float]]:
+    """Put the batch, then get it by the meta the put returned (as an RL job ships it): in this
+    process, or in every reader process at once (wall time until the last one has it)."""
     names = list(batch.fields)
     puts, gets = [], []
     for i in range(repeat + 1):
         pid = f"bench-{os.getpid()}-{i}"
         t0 = time.perf_counter()
-        client.kv_batch_put(batch.keys, batch.fields, partition_id=pid)
+        meta = client.kv_batch_put(batch.keys, batch.fields, partition_id=pid)
         t1 = time.perf_counter()
-        out = client.kv_batch_get(batch.keys, partition_id=pid, select_fields=names, layout="jagged")
-        t2 = time.perf_counter()
-        if out.batch_size[0] != len(batch.keys):
-            raise RuntimeError("benchmark get returned the wrong number of rows")
-        del out
+        if readers is None:
+            out = client.kv_batch_get(meta, select_fields=names, layout="jagged")
+            t2 = time.perf_counter()
+            if out.batch_size[0] != len(batch.keys):
+                raise RuntimeError("benchmark get returned the wrong number of rows")
+            del out
+            get_s = t2 - t1
+        else:
+            get_s, _ = readers.get_all(meta, names)
         client.kv_clear(partition_id=pid)
         if i:  # the first round is the warm-up
             puts.append(t1 - t0)
-            gets.append(t2 - t1)
+            gets.append(get_s)
     return puts, gets
 
 
@@ -176,8 +186,7 @@ def ray_seconds(batch: Batch, repeat: int) -> tuple[list[float], list[float]] | 
         import ray
     except ImportError:
         return None
-    if not ray.is_initialized():
-        ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+    _init_ray()
     tensors = {k: (v.values() if v.is_nested else v) for k, v in batch.fields.items() if isinstance(v, torch.Tensor)}
     puts, gets = [], []
     for i in range(repeat + 1):
@@ -233,12 +242,78 @@ def _measure(
     res.extra["ray_put_gbps"] = ceiling.ray_put_gbps
     res.extra["ray_get_gbps"] = ceiling.ray_get_gbps
     if backend.raw is not None and readers is None:
-        raw_puts, raw_gets = backend.raw(batch, args.repeat)
+        raw_puts, raw_gets = backend.raw(batch, args.repeat, client)
         res.raw_put_gbps = batch.payload_bytes / median(raw_puts) / 1e9
         res.raw_get_gbps = batch.payload_bytes / median(raw_gets) / 1e9
         res.put_vs_raw = put_gbps / res.raw_put_gbps
         res.get_vs_raw = get_gbps / res.raw_get_gbps
     return res
+
+
+def _start_early(installed: list[BenchBackend], args: argparse.Namespace) -> dict[str, Future[Any]]:
+    """Start what boots slowly but mostly waits, on threads, while Ray starts on the main thread
+    (for its ceiling; it installs signal handlers): the first backend that needs no Ray, and every
+    backend's ``prepare``. Nothing is measured until this returns.
+
+    Returns futures of clients (key: backend name) and of prepared options (key: ``prep:NAME``).
+    """
+    jobs: dict[str, Future[Any]] = {}
+    pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="bench-start")
+    for b in installed:
+        if b.prepare is not None:
+            jobs[f"prep:{b.name}"] = pool.submit(b.prepare)
+    # not tq://: TransferQueue joins (or starts) Ray itself, which must not race our ray.init
+    first = next((b for b in installed if not b.url.startswith(("memory:", "tq:"))), None)
+    if first is not None:
+        jobs[first.name] = pool.submit(dataplane.connect, first.url, **first.options)
+    pool.shutdown(wait=False)
+    if args.ray and importlib.util.find_spec("ray") is not None:
+        _init_ray()
+    return jobs
+
+
+def _init_ray() -> None:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+
+
+class _Closer:
+    """Closes clients on threads: a teardown mostly waits (Mooncake's close sleeps ~1 s, stopping
+    TransferQueue's actors takes seconds), so the next backend starts meanwhile. Backends of one URL
+    scheme wait for each other (a process runs one TransferQueue at a time)."""
+
+    def __init__(self) -> None:
+        self._pending: dict[str, list[threading.Thread]] = {}
+
+    def start(
+        self,
+        scheme: str,
+        client: dataplane.DataPlaneClient,
+        before: Callable[[], None] | None,
+        after: Callable[[], None] | None,
+    ) -> None:
+        def close() -> None:
+            try:
+                if before is not None:
+                    before()
+            finally:
+                client.close()
+                if after is not None:
+                    after()
+
+        t = threading.Thread(target=close, name=f"close-{scheme}", daemon=True)
+        t.start()
+        self._pending.setdefault(scheme, []).append(t)
+
+    def wait_for(self, scheme: str) -> None:
+        for t in self._pending.pop(scheme, []):
+            t.join(CLOSE_TIMEOUT_S)
+
+    def wait_all(self) -> None:
+        for scheme in list(self._pending):
+            self.wait_for(scheme)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -255,12 +330,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: list[CaseResult] = []
     ceilings: dict[tuple[int, int, str], Ceilings] = {}
     notes: dict[str, str] = {}
+    closing = _Closer()
+    early = _start_early(installed, args)
     for backend in installed:
+        closing.wait_for(backend.url.split(":", 1)[0])  # one TransferQueue per process at a time
+        cleanup: Callable[[], None] | None = None
         try:
-            client = dataplane.connect(backend.url, **backend.options)
+            options = dict(backend.options)
+            prepared = early.pop(f"prep:{backend.name}", None)
+            if prepared is not None:
+                extra, cleanup = prepared.result()
+                options.update(extra)
+            pending = early.pop(backend.name, None)
+            client = pending.result() if pending is not None else dataplane.connect(backend.url, **options)
         except Exception as e:  # report and go on with the other backends
             skipped[backend.name] = f"failed to start: {type(e).__name__}: {e}"
+            if cleanup is not None:
+                cleanup()
             continue
+        finally:
+            closing.wait_all()  # teardowns overlap start-ups, never measurements
         readers = None
         try:
             if args.readers:
@@ -283,7 +372,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             if readers is not None:
                 readers.close()
-            client.close()
+            closing.start(backend.url.split(":", 1)[0], client, backend.before_close, cleanup)
+    closing.wait_all()
     progress.close()
     return {
         "schema_version": SCHEMA_VERSION,
@@ -397,10 +487,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     quick = args.quick
-    args.sizes = args.sizes or ([1, 16] if quick else [1, 16, 128])
+    args.sizes = args.sizes or ([4] if quick else [1, 16, 128])
     args.fields = args.fields or ([1, 8] if quick else [1, 8, 32])
     args.layouts = args.layouts or ["jagged"]
-    args.repeat = args.repeat or (3 if quick else 5)
+    args.repeat = args.repeat or (2 if quick else 5)
     return args
 
 

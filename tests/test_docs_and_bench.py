@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import jsonschema
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,27 +26,62 @@ def test_readme_example_runs() -> None:
     assert "torch.Size([3, 8])" in out.stdout
 
 
-def test_quick_benchmark_json_matches_schema(tmp_path: Path) -> None:
+def _run_bench(tmp_path: Path, *args: str) -> tuple[dict[str, Any], str]:
     path = tmp_path / "bench.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "benchmarks.put_get",
-        "--quick",
-        "--backend",
-        "memory",
-        "--sizes",
-        "1",
-        "--fields",
-        "1,4",
-    ]
-    out = subprocess.run(
-        [*cmd, "--no-progress", "--json", str(path)], capture_output=True, text=True, timeout=600, cwd=ROOT
-    )
-    assert out.returncode == 0, out.stderr
+    cmd = [sys.executable, "-m", "benchmarks.put_get", *args, "--no-progress", "--json", str(path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-4000:]
     report = json.loads(path.read_text())
     schema = json.loads((ROOT / "benchmarks" / "put_get.schema.json").read_text())
     jsonschema.validate(report, schema)
+    return report, out.stdout
+
+
+def _installed_backends() -> set[str]:
+    from benchmarks.put_get import _backends
+
+    return {b.name for b in _backends() if not b.missing()}
+
+
+@pytest.mark.slow
+def test_quick_benchmark_is_what_ci_runs_and_matches_schema(tmp_path: Path) -> None:
+    """``--quick`` exactly as CI's smoke run: every installed backend is measured and reported."""
+    report, stdout = _run_bench(tmp_path, "--quick")
+    installed = _installed_backends()
+    assert installed >= {"memory"}
+    assert {name for name, status in report["backends"].items() if status == "ok"} == installed, report["backends"]
+    measured = {r["backend"] for r in report["results"]}
+    assert measured == installed
+    for r in report["results"]:
+        assert r["put_gbps"] > 0 and r["get_gbps"] > 0 and r["memcpy_gbps"] > 0
+        if r["backend"] != "memory":  # every backend but memory is compared with its raw API
+            assert r["put_vs_raw"] is not None and r["get_vs_raw"] is not None
+    assert report["machine"]["cpu_count"] == os.cpu_count()
+    assert "put GB/s" in stdout
+
+
+def test_benchmark_grid_options(tmp_path: Path) -> None:
+    report, _ = _run_bench(
+        tmp_path, "--backend", "memory", "--sizes", "1", "--fields", "1,4", "--layouts", "jagged,padded",
+        "--repeat", "2", "--no-ray",
+    )  # fmt: skip
     assert report["backends"] == {"memory": "ok"}
-    assert {(r["backend"], r["n_fields"]) for r in report["results"]} == {("memory", 1), ("memory", 4)}
-    assert "put GB/s" in out.stdout
+    got = {(r["n_fields"], r["layout"]) for r in report["results"]}
+    assert got == {(1, "jagged"), (4, "jagged"), (1, "padded"), (4, "padded")}
+    for r in report["results"]:
+        assert r["padded_bytes"] >= r["payload_bytes"] if r["layout"] == "jagged" else True
+        assert r["put"]["min_s"] <= r["put"]["median_s"] <= r["put"]["max_s"]
+
+
+@pytest.mark.slow
+@pytest.mark.mooncake
+@pytest.mark.multiprocess
+@pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake is not installed")
+def test_reader_processes_get_the_batch(tmp_path: Path) -> None:
+    report, _ = _run_bench(
+        tmp_path, "--backend", "mooncake", "--sizes", "1", "--fields", "4", "--repeat", "1", "--readers", "2",
+        "--no-ray",
+    )  # fmt: skip
+    assert report["backends"] == {"mooncake": "ok"}, report
+    (r,) = report["results"]
+    assert r["readers"] == 2 and r["get_gbps"] > 0
