@@ -158,10 +158,15 @@ def make_index(
     tags: Sequence[Mapping[str, Any]] | None,
 ) -> PutIndex:
     """The parsed form of what :func:`encode_index` writes (for the writer's own cache)."""
-    entries = {
-        name: FieldEntry(schema, int(n), None if off is None else np.array(off, dtype=np.int64), _unit(schema))
-        for name, (schema, n, off) in fields.items()
-    }
+    shared: dict[int, np.ndarray] = {}  # fields that shared one offsets array share its copy
+    entries = {}
+    for name, (schema, n, off) in fields.items():
+        own = None
+        if off is not None:
+            own = shared.get(id(off))
+            if own is None:
+                own = shared[id(off)] = np.array(off, dtype=np.int64)
+        entries[name] = FieldEntry(schema, int(n), own, _unit(schema))
     return PutIndex(key, put_id, "put", tuple(keys), entries, None if tags is None else tuple(dict(t) for t in tags))
 
 
@@ -194,9 +199,14 @@ def decode_index(key: str, put_id: str, data: bytes) -> PutIndex:
         if body.get("v") != INDEX_VERSION:
             raise ValueError(f"index version {body.get('v')!r}, this dataplane reads {INDEX_VERSION}")
         fields: dict[str, FieldEntry] = {}
+        shared: dict[bytes, np.ndarray] = {}  # fields with equal row offsets share one array
         for name, f in body["fields"].items():
             schema = FieldSchema.from_dict(f["s"])
-            off = None if f["o"] is None else np.frombuffer(f["o"], dtype="<i8").astype(np.int64)
+            off = None
+            if f["o"] is not None:
+                off = shared.get(f["o"])
+                if off is None:
+                    off = shared[f["o"]] = np.frombuffer(f["o"], dtype="<i8").astype(np.int64)
             fields[name] = FieldEntry(schema, int(f["n"]), off, _unit(schema))
         tags = None if body["tags"] is None else tuple(dict(t) for t in body["tags"])
         return PutIndex(key, put_id, body["op"], tuple(body["keys"]), fields, tags)

@@ -73,8 +73,9 @@ class Reader:
         out: dict[str, Column] = {}
         ops: list[_Op] = []
         gathers: list[_Gather] = []
+        offsets: dict[int, torch.Tensor] = {}  # one tensor per shared offsets array (one ragged dim)
         for field, res in resolved.items():
-            col, field_ops, field_gathers = self._plan_field(field, res)
+            col, field_ops, field_gathers = self._plan_field(field, res, offsets)
             out[field] = col
             ops += field_ops
             gathers += field_gathers
@@ -87,20 +88,27 @@ class Reader:
 
         return out, fill
 
-    def _plan_field(self, field: str, res: Resolved) -> tuple[Column, list[_Op], list[_Gather]]:
+    def _plan_field(
+        self, field: str, res: Resolved, shared: dict[int, torch.Tensor]
+    ) -> tuple[Column, list[_Op], list[_Gather]]:
         schema, locs = res.schema, res.locs
-        n = len(locs)
-        first = locs[0][0]
-        entry0 = first.fields[field]
         if res.whole is not None:  # the rows of one put, in order: one read straight into the result
+            first = res.whole
+            n = len(first.keys)
+            entry0 = first.fields[field]
             total = entry0.nbytes
-            offsets = None if entry0.offsets is None else torch.from_numpy(entry0.offsets.copy())
+            offsets = None
+            if entry0.offsets is not None:
+                offsets = shared.get(id(entry0.offsets))
+                if offsets is None:
+                    offsets = shared[id(entry0.offsets)] = torch.from_numpy(entry0.offsets.copy())
             rows = n if entry0.offsets is None else int(entry0.offsets[-1])
             if not total:
                 return Column(schema, _empty(schema, rows), offsets), [], []
             buf = self.pool.empty(total)
             values = buf.view(schema.dtype).view((rows, *schema.inner_shape))
             return Column(schema, values, offsets), [_Op(first.data_key(field), buf.data_ptr(), total)], []
+        n = len(locs)
         runs: dict[str, list[tuple[int, int, int]]] = {}  # put_id -> [(dst, src, size)]
         puts: dict[str, PutIndex] = {}
         lengths: list[int] = []

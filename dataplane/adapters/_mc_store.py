@@ -16,7 +16,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +53,6 @@ from dataplane.codec.wire import Column
 from dataplane.errors import (
     BackendUnavailable,
     CapacityExceeded,
-    DataPlaneError,
     DataPlaneTimeout,
     InvalidArgument,
     KeyNotFound,
@@ -100,25 +98,6 @@ class _PlannedPut:
     index: PutIndex | None = None
 
 
-def _nothing() -> None:
-    return None
-
-
-def _same(a: Mapping[str, Resolved], b: Mapping[str, Resolved]) -> bool:
-    """Whether two resolutions read the same objects (index objects are immutable: identity suffices)."""
-    if a.keys() != b.keys():
-        return False
-    for field, ra in a.items():
-        rb = b[field]
-        if ra.whole is not None and ra.whole is rb.whole:
-            continue
-        if len(ra.locs) != len(rb.locs):
-            return False
-        if any(pa is not pb or ia != ib for (pa, ia), (pb, ib) in zip(ra.locs, rb.locs, strict=True)):
-            return False
-    return True
-
-
 class MooncakeStore(KVStore):
     """See the module docstring."""
 
@@ -144,8 +123,6 @@ class MooncakeStore(KVStore):
             on_drop=handle.unregister,
         )
         self.reader = Reader(handle, self.pool)
-        # Listings run here, beside the data transfer (Mooncake releases the GIL while it moves bytes).
-        self._lister = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dataplane-mc-list")
         self.deployment: Any = None  # the LocalDeployment a mooncake://local client owns
         self.master_address = ""
         self.join_url = ""  # what other processes pass to dataplane.connect() to share this store
@@ -233,11 +210,6 @@ class MooncakeStore(KVStore):
             raise DataPlaneTimeout("Mooncake call ran out of time; raise timeout_s")
         return self.admin.all_keys(left)
 
-    def _list_async(self, deadline: float) -> Future[list[str]]:
-        self.handle.check()
-        return self._lister.submit(self._listing, deadline)
-
-    # -- put -------------------------------------------------------------------------------------
     def put(
         self,
         partition_id: str,
@@ -248,9 +220,8 @@ class MooncakeStore(KVStore):
         timeout_s: float,
     ) -> dict[str, Any] | None:
         deadline = time.monotonic() + timeout_s
-        listing = self._list_async(deadline)  # the schema check needs it; encode the put meanwhile
+        lines = self._listing(deadline)
         planned = self._plan_put(partition_id, new_put_id(self.writer), keys, columns, tags)
-        lines = listing.result()
         part = self._part(partition_id)
         with part.lock:
             state = self._refresh(partition_id, part, lines, {}, deadline)
@@ -359,48 +330,53 @@ class MooncakeStore(KVStore):
         meta: KVBatchMeta | None,
         timeout_s: float,
     ) -> tuple[Mapping[str, Column], Callable[[], Mapping[str, Column] | None]]:
-        """Plan the read and hand the columns out before any byte moves; ``finish`` moves them.
-
-        The client decodes while its caches are still warm: right after a large transfer, the same
-        Python work runs about 3x slower on a small VM. When this process's cache plus the meta's
-        hints already say where every row lives, the listing runs on a thread beside the transfer,
-        and ``finish`` checks the guess against it afterwards (reading again, the checked way, in
-        the rare case another process changed the rows meanwhile).
-        """
+        """List, resolve and plan the read, and hand the columns out before any byte moves;
+        ``finish`` moves them. The client decodes meanwhile, while its caches are warm: right after a
+        large transfer the same Python work runs about 3x slower on a small VM."""
         deadline = time.monotonic() + timeout_s
         part = self._part(partition_id)
         hints = self._hints(partition_id, meta, part)
-        listing: Future[list[str]] | None = None
-        resolved = self._guess(part, keys, fields, hints)
+        lines = self._listing(deadline)
+        resolved = self._only_put(partition_id, part, keys, fields, hints, lines)
         if resolved is None:
-            lines = self._listing(deadline)
             resolved = self._resolve(partition_id, part, keys, fields, hints, lines, deadline)
-        else:
-            listing = self._list_async(deadline)
-        guess = resolved
         cols, fill = self.reader.plan(resolved)
 
         def finish() -> Mapping[str, Column] | None:
             try:
                 fill(deadline)
-                ok = True
             except Vanished:  # a concurrent clear removed an object: resolve and read again
-                ok = False
-            except DataPlaneError:
-                if listing is None:
-                    raise
-                ok = False  # a stale guess can fail in many ways; the checked read reports
-            if listing is None:
-                return None if ok else self._get_checked(partition_id, part, keys, fields, hints, None, deadline)
-            lines = listing.result()
-            with part.lock:
-                state = self._refresh(partition_id, part, lines, hints, deadline)
-                missing_keys, missing_fields, now = state.resolve(keys, fields)
-            if ok and not missing_keys and not missing_fields and _same(guess, now):
-                return None
-            return self._get_checked(partition_id, part, keys, fields, hints, lines, deadline)
+                return self._get_checked(partition_id, part, keys, fields, hints, None, deadline)
+            return None
 
         return cols, finish
+
+    def _only_put(
+        self,
+        partition_id: str,
+        part: _Part,
+        keys: Sequence[str],
+        fields: Sequence[str],
+        hints: Mapping[str, PutIndex],
+        lines: Sequence[str],
+    ) -> dict[str, Resolved] | None:
+        """The usual RL read, resolved without folding rows: the listing shows exactly one index in
+        the partition, the meta's put (no other write, no tombstone), and the get asks for all of its
+        rows in its order. The put is kept in the cache unfolded; the next operation that needs the
+        partition's state folds it (:meth:`_refresh`)."""
+        if len(hints) != 1:
+            return None
+        (p,) = hints.values()
+        if p.op != "put" or tuple(keys) != p.keys or not all(f in p.fields for f in fields):
+            return None
+        prefix = index_prefix(self.ns, partition_id)
+        if [ln for ln in lines if ln.startswith(prefix)] != [p.key]:
+            return None
+        with part.lock:
+            if part.known.keys() - {p.put_id}:
+                return None
+            part.known = {p.put_id: p}
+        return {f: Resolved(p.fields[f].schema, [], whole=p) for f in fields}
 
     def _resolve(
         self,
@@ -443,27 +419,6 @@ class MooncakeStore(KVStore):
             f"partition {partition_id!r}: objects its index objects name keep vanishing; a store server "
             "may have died, or another process is clearing this partition"
         )
-
-    def _guess(
-        self,
-        part: _Part,
-        keys: Sequence[str],
-        fields: Sequence[str],
-        hints: Mapping[str, PutIndex],
-    ) -> dict[str, Resolved] | None:
-        """Where the rows live according to what this process already knows plus the meta's hints,
-        or None when that is not enough. Unconfirmed: :meth:`get` checks it against a listing."""
-        with part.lock:
-            known = dict(part.known)
-            for index in hints.values():
-                known.setdefault(index.put_id, index)
-            if len(known) != len(part.known):  # fold the hints in; the next _refresh corrects any stale one
-                part.known = known
-                part.state = part.state.refresh(known)
-            if not known:
-                return None
-            missing_keys, missing_fields, resolved = part.state.resolve(keys, fields)
-        return None if missing_keys or missing_fields else resolved
 
     @staticmethod
     def _missing(
@@ -571,7 +526,6 @@ class MooncakeStore(KVStore):
     def close(self) -> None:
         if self.deployment is not None:
             self.deployment.server.request_stop()  # its 1-2 s unmount overlaps ours
-        self._lister.shutdown(wait=True, cancel_futures=True)
         try:
             self.pool.close()
             self.handle.close()
