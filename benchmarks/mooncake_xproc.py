@@ -345,6 +345,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for op in ("put", "get"):
                 ratios[f"{op}_ours_vs_raw"] = base["ours"][f"{op}_gbps"] / base["raw"][f"{op}_gbps"]
                 ratios[f"{op}_adapter_vs_raw"] = base["ours_adapter"][f"{op}_gbps"] / base["raw"][f"{op}_gbps"]
+        # Paired: ours and raw run back to back in every repetition of every phase, so raw/ours per
+        # repetition cancels the drift of a shared machine; the median over all of them.
+        size_key = next(k for k, v in results.items() if v is cells)
+        pairs: dict[str, list[float]] = {"put": [], "get": []}
+        for per_size in times.values():
+            t = per_size.get(int(size_key[:-2]), {})
+            if t.get("ours", {}).get("put") and t.get("raw", {}).get("put"):
+                for op in ("put", "get"):
+                    pairs[op] += [r / o for o, r in zip(t["ours"][op], t["raw"][op], strict=True)]
+        for op, xs in pairs.items():
+            if xs:
+                ratios[f"{op}_ours_vs_raw_paired"] = statistics.median(xs)
         for phase, cell in cells.items():
             tq = f"tq_{phase}"
             if isinstance(cell, dict) and tq in cell:
@@ -383,7 +395,9 @@ def to_markdown(report: dict[str, Any]) -> str:
         f"writer and reader are separate spawned processes, the store server a third; medians of "
         f"{report['config']['repeat']} after {report['config']['warmup']} warm-up, contenders interleaved.",
         "",
-        "ours/raw come from the phase without TransferQueue (no Ray running); each TQ ratio compares with "
+        "`*_ours_vs_raw` compare medians from the phase without TransferQueue (no Ray running); "
+        "`*_ours_vs_raw_paired` is the median, over every repetition of every phase, of raw/ours timed back to "
+        "back in that repetition (the drift of a shared 2-core machine cancels). Each TQ ratio compares with "
         "ours measured in that TQ's phase (Ray and its actors running, so every figure there is slower).",
         "",
         "| size | phase | contender | put ms | get ms | put GB/s | get GB/s | bit-exact |",
