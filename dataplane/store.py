@@ -84,13 +84,14 @@ class KVStore(ABC):
         meta: KVBatchMeta | None,
         timeout_s: float,
     ) -> tuple[Mapping[str, Column], Callable[[], Mapping[str, Column] | None]]:
-        """A get that may return before its bytes have landed, so decoding overlaps the transfer.
+        """A get that may return before its bytes have landed, so the client can decode first.
 
-        Returns the columns (their shapes and offsets final, their buffers possibly still filling)
-        and ``finish``. The client always calls ``finish()`` before handing anything out: it blocks
-        until the buffers are full, raises what ``get`` would raise, and returns None, or other
-        columns to use instead (when the store learned meanwhile that it read the wrong objects).
-        The default is a plain :meth:`get`.
+        Returns the columns (their shapes and offsets final, their buffers possibly not yet filled)
+        and ``finish``. The client always calls ``finish()`` before handing anything out: it moves
+        or waits for the bytes, raises what ``get`` would raise, and returns None, or other columns
+        to use instead (e.g. read again after an object vanished under the first read). Decoding
+        first matters on small hosts: right after a large transfer the same Python work runs several
+        times slower (cold caches). The default is a plain :meth:`get`.
         """
         return self.get(partition_id, keys, fields, meta=meta, timeout_s=timeout_s), _finished
 
@@ -314,7 +315,7 @@ class StoreClient(DataPlaneClient):
         if layout == "padded" or any(c.schema.kind == "object" for c in columns.values()):
             again = finish()  # padding and object decoding read the bytes: they must have landed
             return decode(columns if again is None else again)
-        try:  # jagged and dense fields only wrap the buffers: decode while they fill
+        try:  # jagged and dense fields only wrap the buffers: decode before the bytes land
             out = decode(columns)
         except BaseException:
             with contextlib.suppress(Exception):  # the transfer must end before its buffers are freed

@@ -17,6 +17,7 @@ import torch
 
 import dataplane
 from dataplane.adapters import _mc_handle
+from dataplane.adapters._mc_index import PartitionState
 from dataplane.adapters.mooncake import MooncakeConfig, parse_bytes
 from dataplane.errors import CapacityExceeded, ClientClosed, InvalidArgument, KeyNotFound
 from dataplane.store import StoreClient
@@ -133,6 +134,29 @@ class TestMooncakeAdapter:
                 other.kv_batch_get(old.subset([1]), select_fields="x")
         finally:
             owner.kv_clear(partition_id="stale")
+
+    def test_get_of_one_whole_put_skips_folding_rows(
+        self, owner: StoreClient, other: StoreClient, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        rows = [torch.arange(n) for n in (3, 1, 4)]
+        keys = ["a", "b", "c"]
+        meta = owner.kv_batch_put(
+            keys, {"ids": _jagged(rows), "m": _jagged([r > 1 for r in rows])}, partition_id="fast"
+        )
+        spy = _Spy(monkeypatch, PartitionState, ["apply"])
+        try:
+            out = other.kv_batch_get(meta, select_fields=["ids", "m"])
+            assert spy.calls["apply"] == 0  # resolved from the listing and the meta's index alone
+            assert [r.tolist() for r in out["ids"].unbind()] == [r.tolist() for r in rows]
+            assert out["ids"]._offsets is out["m"]._offsets  # one ragged dim
+            back = other.kv_batch_get(keys[::-1], partition_id="fast", select_fields=["ids"])  # by keys: folded
+            assert spy.calls["apply"] == 1
+            assert [r.tolist() for r in back["ids"].unbind()] == [r.tolist() for r in rows[::-1]]
+            owner.kv_batch_put(["b"], {"ids": _jagged([torch.tensor([7, 7])])}, partition_id="fast")
+            again = other.kv_batch_get(meta, select_fields="ids")  # another put listed: the checked path
+            assert [r.tolist() for r in again["ids"].unbind()] == [[0, 1, 2], [7, 7], [0, 1, 2, 3]]
+        finally:
+            owner.kv_clear(partition_id="fast")
 
     def test_whole_put_lands_in_a_registered_buffer(self, owner: StoreClient, other: StoreClient) -> None:
         values = torch.randn(64, 8192)  # 2 MiB: pooled

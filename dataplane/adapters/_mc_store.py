@@ -7,6 +7,8 @@ listing, then one ``batch_get_into`` (or ``get_into_ranges``) for the data. Inde
 immutable and cached, so only puts this process has not seen cost one more read, and a get by the
 meta a put returned does not even pay that (the meta carries the put's index in ``extra_info``; it
 is used only while the listing still shows that index, so a stale hint never returns stale data).
+When the listing shows that index as the partition's only one and the get asks for all of its rows
+in order (the usual RL read), the rows are not even folded into the per-row state.
 """
 
 from __future__ import annotations
@@ -210,6 +212,7 @@ class MooncakeStore(KVStore):
             raise DataPlaneTimeout("Mooncake call ran out of time; raise timeout_s")
         return self.admin.all_keys(left)
 
+    # -- put -------------------------------------------------------------------------------------
     def put(
         self,
         partition_id: str,
@@ -346,7 +349,7 @@ class MooncakeStore(KVStore):
             try:
                 fill(deadline)
             except Vanished:  # a concurrent clear removed an object: resolve and read again
-                return self._get_checked(partition_id, part, keys, fields, hints, None, deadline)
+                return self._get_checked(partition_id, part, keys, fields, hints, deadline)
             return None
 
         return cols, finish
@@ -403,18 +406,16 @@ class MooncakeStore(KVStore):
         keys: Sequence[str],
         fields: Sequence[str],
         hints: Mapping[str, PutIndex],
-        lines: list[str] | None,
         deadline: float,
     ) -> Mapping[str, Column]:
         """List, resolve, read; again if an object vanished under the read (a concurrent clear)."""
         for _ in range(_ATTEMPTS):
-            if lines is None:
-                lines = self._listing(deadline)
+            lines = self._listing(deadline)
             resolved = self._resolve(partition_id, part, keys, fields, hints, lines, deadline)
             try:
                 return self.reader.read(resolved, deadline)
             except Vanished:
-                lines = None
+                continue
         raise BackendUnavailable(
             f"partition {partition_id!r}: objects its index objects name keep vanishing; a store server "
             "may have died, or another process is clearing this partition"
