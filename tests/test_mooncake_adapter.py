@@ -103,20 +103,24 @@ class TestMooncakeAdapter:
         rows = [torch.arange(n) for n in (3, 1, 4)]
         fields = {"ids": _jagged(rows), "r": torch.tensor([1.0, 2.0, 3.0]), "msg": ["a", "b", "c"]}
         store = other.store
-        spy_admin = _Spy(monkeypatch, store.admin, ["all_keys"])  # type: ignore[attr-defined]
+        spy_admin = _Spy(monkeypatch, store.admin, ["start_all_keys"])  # type: ignore[attr-defined]
         spy_mc = _Spy(monkeypatch, store.handle, ["put_from", "get_into", "get_ranges"])  # type: ignore[attr-defined]
         meta = owner.kv_batch_put(["a", "b", "c"], fields, partition_id="rt")
         try:
             out = other.kv_batch_get(meta, select_fields=["ids", "r", "msg"])  # by meta: listing + data read
             assert [r.tolist() for r in out["ids"].unbind()] == [r.tolist() for r in rows]
-            assert spy_admin.calls["all_keys"] == 1 and spy_mc.calls == {"put_from": 0, "get_into": 1, "get_ranges": 0}
+            assert spy_admin.calls["start_all_keys"] == 1 and spy_mc.calls == {
+                "put_from": 0,
+                "get_into": 1,
+                "get_ranges": 0,
+            }
             meta2 = owner.kv_batch_put(["a", "b", "c"], {"adv": torch.zeros(3)}, partition_id="rt")
             other.kv_batch_get(["a", "c"], partition_id="rt", select_fields=["adv", "r"])  # unseen put: + index read
-            assert spy_admin.calls["all_keys"] == 2 and spy_mc.calls["get_into"] == 3
+            assert spy_admin.calls["start_all_keys"] == 2 and spy_mc.calls["get_into"] == 3
             other.kv_batch_get(meta2, select_fields=["adv"])  # steady state: listing + data read
-            assert spy_admin.calls["all_keys"] == 3 and spy_mc.calls["get_into"] == 4
+            assert spy_admin.calls["start_all_keys"] == 3 and spy_mc.calls["get_into"] == 4
             other.kv_batch_put(["d"], {"r": torch.tensor([4.0])}, partition_id="rt")  # listing + one batch write
-            assert spy_admin.calls["all_keys"] == 4 and spy_mc.calls["put_from"] == 1
+            assert spy_admin.calls["start_all_keys"] == 4 and spy_mc.calls["put_from"] == 1
         finally:
             owner.kv_clear(partition_id="rt")
 
@@ -157,6 +161,17 @@ class TestMooncakeAdapter:
             assert [r.tolist() for r in again["ids"].unbind()] == [[0, 1, 2], [7, 7], [0, 1, 2, 3]]
         finally:
             owner.kv_clear(partition_id="fast")
+
+    def test_an_unread_listing_answer_is_never_taken_for_a_later_one(
+        self, owner: StoreClient, other: StoreClient
+    ) -> None:
+        admin = owner.store.admin  # type: ignore[attr-defined]
+        admin.start_all_keys(5.0)  # asked, never read (as when the caller raises in between)
+        other.kv_batch_put(["z"], {"x": torch.ones(1)}, partition_id="unread")
+        try:
+            assert any("/i/" in k and "unread" in k for k in admin.all_keys(5.0))  # the fresh answer
+        finally:
+            other.kv_clear(partition_id="unread")
 
     def test_whole_put_lands_in_a_registered_buffer(self, owner: StoreClient, other: StoreClient) -> None:
         values = torch.randn(64, 8192)  # 2 MiB: pooled

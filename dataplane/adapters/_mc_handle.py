@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -298,6 +298,8 @@ class AdminClient:
         self._closed = False
 
     def _sock(self, timeout_s: float) -> socket.socket:
+        if getattr(self._local, "pending", False):  # an answer was never read (its caller raised): start afresh
+            self._drop()
         sock: socket.socket | None = getattr(self._local, "sock", None)
         if sock is None or getattr(self._local, "pid", None) != os.getpid():
             if self._closed:
@@ -313,6 +315,7 @@ class AdminClient:
     def _drop(self) -> None:
         sock = getattr(self._local, "sock", None)
         self._local.sock = None
+        self._local.pending = False
         if sock is not None:
             sock.close()
             with self._lock:
@@ -351,6 +354,11 @@ class AdminClient:
     def _get(self, timeout_s: float) -> bytes:
         sock = self._sock(timeout_s)
         sock.sendall(self._request)
+        self._local.pending = True
+        return self._answer(sock)
+
+    def _answer(self, sock: socket.socket) -> bytes:
+        self._local.pending = False  # from here on, a failure drops the socket (callers do)
         head = self._read_until(sock, b"\r\n\r\n").decode("latin-1").split("\r\n")
         status = head[0].split(" ", 2)
         if len(status) < 2 or status[1] != "200":
@@ -372,6 +380,30 @@ class AdminClient:
         if headers.get("connection") == "close":
             self._drop()
         return body
+
+    def start_all_keys(self, timeout_s: float) -> Callable[[], list[str]]:
+        """Send the listing request now and return a function that reads the answer: the master
+        answers while the caller does other work. Any failure falls back to :meth:`all_keys`."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            sock = self._sock(min(timeout_s, 30.0))
+            sock.sendall(self._request)
+            self._local.pending = True
+        except OSError:
+            self._drop()
+            return lambda: self.all_keys(max(0.001, deadline - time.monotonic()))
+
+        def answer() -> list[str]:
+            try:
+                sock.settimeout(max(0.001, min(deadline - time.monotonic(), 30.0)))
+                return self._answer(sock).decode("utf-8", "replace").split("\n")
+            except (OSError, ValueError):
+                self._drop()
+                if self._closed:
+                    raise ClientClosed("this Mooncake client is closed") from None
+                return self.all_keys(max(0.001, deadline - time.monotonic()))
+
+        return answer
 
     def all_keys(self, timeout_s: float) -> list[str]:
         deadline = time.monotonic() + timeout_s

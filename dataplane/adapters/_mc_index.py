@@ -17,6 +17,7 @@ writer, strictly increasing within a process. A later put supersedes an earlier 
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 import time
@@ -60,6 +61,7 @@ def check_ns(ns: str) -> str:
     return ns
 
 
+@functools.lru_cache(maxsize=4096)  # field and partition names repeat on every call
 def _token(s: str) -> str:
     return quote(s, safe="").replace(".", "%2E").replace("~", "%7E")
 

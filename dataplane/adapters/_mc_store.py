@@ -206,11 +206,16 @@ class MooncakeStore(KVStore):
         raise AssertionError("unreachable")
 
     def _listing(self, deadline: float) -> list[str]:
+        return self._start_listing(deadline)()
+
+    def _start_listing(self, deadline: float) -> Callable[[], list[str]]:
+        """Ask the master for its keys now; the returned function waits for the answer (so the
+        caller's own work overlaps the master's, with no thread to contend for the GIL)."""
         self.handle.check()  # closed or forked: fail before any I/O
         left = deadline - time.monotonic()
         if left <= 0:
             raise DataPlaneTimeout("Mooncake call ran out of time; raise timeout_s")
-        return self.admin.all_keys(left)
+        return self.admin.start_all_keys(left)
 
     # -- put -------------------------------------------------------------------------------------
     def put(
@@ -223,8 +228,9 @@ class MooncakeStore(KVStore):
         timeout_s: float,
     ) -> dict[str, Any] | None:
         deadline = time.monotonic() + timeout_s
-        lines = self._listing(deadline)
+        listing = self._start_listing(deadline)
         planned = self._plan_put(partition_id, new_put_id(self.writer), keys, columns, tags)
+        lines = listing()
         part = self._part(partition_id)
         with part.lock:
             state = self._refresh(partition_id, part, lines, {}, deadline)
@@ -337,9 +343,10 @@ class MooncakeStore(KVStore):
         ``finish`` moves them. The client decodes meanwhile, while its caches are warm: right after a
         large transfer the same Python work runs about 3x slower on a small VM."""
         deadline = time.monotonic() + timeout_s
+        listing = self._start_listing(deadline)
         part = self._part(partition_id)
         hints = self._hints(partition_id, meta, part)
-        lines = self._listing(deadline)
+        lines = listing()
         resolved = self._only_put(partition_id, part, keys, fields, hints, lines)
         if resolved is None:
             resolved = self._resolve(partition_id, part, keys, fields, hints, lines, deadline)

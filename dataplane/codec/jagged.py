@@ -92,16 +92,22 @@ def pack(padded: torch.Tensor, lengths: torch.Tensor | Sequence[int]) -> tuple[t
     return padded[mask], offsets
 
 
-def pack_nested(nt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A nested tensor (jagged or strided layout, ragged in its first row dim) -> ``(values, offsets)``."""
+def pack_nested(
+    nt: torch.Tensor, *, seen: dict[int, tuple[int, int]] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A nested tensor (jagged or strided layout, ragged in its first row dim) -> ``(values, offsets)``.
+
+    ``seen`` remembers the first and last offset of offsets tensors already read (fields of one
+    batch often share one), keyed by ``id``: pass one dict per batch, while its tensors are alive.
+    """
     if _NJT is not None and type(nt) is _NJT:
         njt: Any = nt
-        return _pack_jagged(njt._ragged_idx, njt._values, njt._offsets, njt._lengths)
+        return _pack_jagged(njt._ragged_idx, njt._values, njt._offsets, njt._lengths, seen)
     if not nt.is_nested:
         raise SchemaError("pack_nested needs a nested tensor")
     if nt.layout == torch.jagged:
         values, offsets = nt.values(), nt.offsets()  # type: ignore[attr-defined]
-        return _pack_jagged(getattr(nt, "_ragged_idx", 1), values, offsets, getattr(nt, "_lengths", None))
+        return _pack_jagged(getattr(nt, "_ragged_idx", 1), values, offsets, getattr(nt, "_lengths", None), seen)
     rows = list(nt.unbind())
     if rows and any(r.dim() == 0 for r in rows):
         raise SchemaError("nested rows must have at least one dimension")
@@ -125,14 +131,16 @@ class Ragged:
     lengths: torch.Tensor
     min_len: int
     max_len: int
+    seqlen_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # torch's holders of min/max, shared
 
     @classmethod
     def of(cls, offsets: torch.Tensor) -> Ragged:
         lens = lengths_of(offsets)
         if lens.numel() == 0:
             return cls(offsets, lens, 0, 0)
-        lo, hi = torch.aminmax(lens)
-        return cls(offsets, lens, int(lo), int(hi))
+        lo, hi = (int(x) for x in torch.aminmax(lens))
+        held = None if _NJT is None else (_store_val_in_tensor(lo), _store_val_in_tensor(hi))
+        return cls(offsets, lens, lo, hi, held)
 
 
 class RaggedCache:
@@ -155,16 +163,26 @@ class RaggedCache:
 
 
 def _pack_jagged(
-    ragged_idx: int, values: torch.Tensor, offsets: torch.Tensor, holes: torch.Tensor | None
+    ragged_idx: int,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    holes: torch.Tensor | None,
+    seen: dict[int, tuple[int, int]] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if ragged_idx != 1:
         raise SchemaError("jagged nested tensors must be ragged in dim 1 (rows of [L_i, *inner])")
+    key = id(offsets)  # of the caller's tensor, alive as long as its nested tensor
     offsets = offsets.to(torch.int64)
     if holes is not None:  # non-contiguous jagged (with holes): gather rows
         cuts, lens = offsets.tolist(), holes.tolist()
         rows = [values[cuts[i] : cuts[i] + lens[i]] for i in range(len(lens))]
         return (torch.cat(rows) if rows else values[:0]), offsets_from_lengths(holes)
-    lo, hi = int(offsets[0]), int(offsets[-1])
+    bounds = None if seen is None else seen.get(key)
+    if bounds is None:
+        bounds = (int(offsets[0]), int(offsets[-1]))
+        if seen is not None:
+            seen[key] = bounds
+    lo, hi = bounds
     if lo != 0 or hi != values.shape[0]:
         return values[lo:hi], offsets - lo
     return values, offsets
@@ -178,8 +196,8 @@ def to_nested(values: torch.Tensor, offsets: torch.Tensor, *, ragged: Ragged | N
     r = ragged if ragged is not None else Ragged.of(offsets)
     if r.lengths.numel() == 0:
         return torch.nested.nested_tensor_from_jagged(values, r.offsets)
-    if _NJT is not None and not values.requires_grad and values.device == r.offsets.device:
-        cache = {"min_seqlen": _store_val_in_tensor(r.min_len), "max_seqlen": _store_val_in_tensor(r.max_len)}
+    if r.seqlen_cache is not None and not values.requires_grad and values.device == r.offsets.device:
+        cache = {"min_seqlen": r.seqlen_cache[0], "max_seqlen": r.seqlen_cache[1]}
         return _NJT(values, r.offsets, _metadata_cache=cache)  # type: ignore[no-any-return]
     return torch.nested.nested_tensor_from_jagged(values, r.offsets, min_seqlen=r.min_len, max_seqlen=r.max_len)
 

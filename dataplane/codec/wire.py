@@ -84,7 +84,9 @@ def _as_tensor_leaf(field: str, value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def _column_from(field: str, value: Any, num_rows: int, pickle_fields: Collection[str]) -> Column:
+def _column_from(
+    field: str, value: Any, num_rows: int, pickle_fields: Collection[str], seen: dict[int, tuple[int, int]]
+) -> Column:
     codec: Literal["msgpack", "pickle"] = "pickle" if field in pickle_fields else "msgpack"
     if isinstance(value, NonTensorStack):
         value = value.tolist()
@@ -98,7 +100,7 @@ def _column_from(field: str, value: Any, num_rows: int, pickle_fields: Collectio
     if isinstance(value, np.ndarray):
         value = value.tolist() if value.dtype == object else torch.from_numpy(np.ascontiguousarray(value))
     if is_jagged_nested(value):  # before any tensor property: each is a __torch_function__ round on a nested tensor
-        values, offsets = pack_nested(value)
+        values, offsets = pack_nested(value, seen=seen)
         values, offsets = _as_tensor_leaf(field, values), offsets.cpu()
         schema = FieldSchema(kind="jagged", dtype=values.dtype, inner_shape=tuple(values.shape[1:]))
         col = Column(schema, values, offsets)
@@ -115,7 +117,9 @@ def _column_from(field: str, value: Any, num_rows: int, pickle_fields: Collectio
             col = Column(schema, t)
     elif isinstance(value, (list, tuple)):
         if value and all(isinstance(v, torch.Tensor) for v in value):
-            col = _column_from(field, torch.nested.as_nested_tensor(list(value), layout=torch.jagged), num_rows, ())
+            col = _column_from(
+                field, torch.nested.as_nested_tensor(list(value), layout=torch.jagged), num_rows, (), seen
+            )
         else:
             values, offsets = encode_objects(field, value, codec)
             col = Column(FieldSchema(kind="object", dtype=torch.uint8, codec=codec), values, offsets)
@@ -149,7 +153,8 @@ def encode_fields(
         raise SchemaError(f"fields must be a TensorDict or a dict, got {type(fields).__name__}")
     if not items:
         raise InvalidArgument("fields is empty; give at least one field to write")
-    return {validate_field_name(k): _column_from(k, v, num_rows, pickle_fields) for k, v in items}
+    seen: dict[int, tuple[int, int]] = {}  # offsets tensors shared by several fields are read once
+    return {validate_field_name(k): _column_from(k, v, num_rows, pickle_fields, seen) for k, v in items}
 
 
 def _pad_value_for(field: str, pad_values: PadValue | Mapping[str, PadValue] | None) -> PadValue:
