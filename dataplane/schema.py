@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -106,12 +107,12 @@ class FieldSchema:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> FieldSchema:
-        return cls(
-            kind=d["kind"],
-            dtype=dtype_from_name(d["dtype"]),
-            inner_shape=tuple(d["inner_shape"]),
-            codec=d.get("codec"),
-        )
+        return _schema_of(d["kind"], d["dtype"], tuple(d["inner_shape"]), d.get("codec"))
+
+
+@functools.lru_cache(maxsize=1024)  # every index object a reader decodes repeats the same few schemas
+def _schema_of(kind: FieldKind, dtype: str, inner_shape: tuple[int, ...], codec: ObjectCodecName | None) -> FieldSchema:
+    return FieldSchema(kind=kind, dtype=dtype_from_name(dtype), inner_shape=inner_shape, codec=codec)
 
 
 def check_compatible(partition_id: str, field: str, existing: FieldSchema, incoming: FieldSchema) -> None:
