@@ -12,6 +12,7 @@ machine. Medians of ``--repeat`` timed runs after one warm-up, with min and max.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.util
 import json
@@ -332,47 +333,56 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     notes: dict[str, str] = {}
     closing = _Closer()
     early = _start_early(installed, args)
-    for backend in installed:
-        closing.wait_for(backend.url.split(":", 1)[0])  # one TransferQueue per process at a time
-        cleanup: Callable[[], None] | None = None
-        try:
-            options = dict(backend.options)
-            prepared = early.pop(f"prep:{backend.name}", None)
-            if prepared is not None:
-                extra, cleanup = prepared.result()
-                options.update(extra)
-            pending = early.pop(backend.name, None)
-            client = pending.result() if pending is not None else dataplane.connect(backend.url, **options)
-        except Exception as e:  # report and go on with the other backends
-            skipped[backend.name] = f"failed to start: {type(e).__name__}: {e}"
-            if cleanup is not None:
-                cleanup()
-            continue
-        finally:
-            closing.wait_all()  # teardowns overlap start-ups, never measurements
-        readers = None
-        try:
-            if args.readers:
-                if backend.reader_url is None:
-                    notes[backend.name] = "in-process store: measured with the writer's process reading"
+    try:
+        for backend in installed:
+            closing.wait_for(backend.url.split(":", 1)[0])  # one TransferQueue per process at a time
+            cleanup: Callable[[], None] | None = None
+            try:
+                options = dict(backend.options)
+                prepared = early.pop(f"prep:{backend.name}", None)
+                if prepared is not None:
+                    extra, cleanup = prepared.result()
+                    options.update(extra)
+                pending = early.pop(backend.name, None)
+                client = pending.result() if pending is not None else dataplane.connect(backend.url, **options)
+            except Exception as e:  # report and go on with the other backends
+                skipped[backend.name] = f"failed to start: {type(e).__name__}: {e}"
+                if cleanup is not None:
+                    cleanup()
+                continue
+            finally:
+                closing.wait_all()  # teardowns overlap start-ups, never measurements
+            readers = None
+            try:
+                if args.readers:
+                    if backend.reader_url is None:
+                        notes[backend.name] = "in-process store: measured with the writer's process reading"
+                    else:
+                        url, options = backend.reader_url(client)
+                        readers = ReaderPool(args.readers, url, options)
+                for case in cases:
+                    size, n_fields, layout = case
+                    batch = make_batch(size * MB, n_fields, layout=layout, objects=args.objects)  # type: ignore[arg-type]
+                    if case not in ceilings:
+                        ceilings[case] = _ceilings(batch, args.repeat, with_ray=args.ray)
+                    results.append(_measure(backend, client, batch, case, ceilings[case], args, readers))
+                    del batch
+                    gc.collect()
+                    progress.step(f"{backend.name} {size}MB x{n_fields} {layout}")
+            except Exception as e:  # one backend failing mid-run must not lose the others' results
+                skipped[backend.name] = f"failed during the run: {type(e).__name__}: {e}"
+            finally:
+                if readers is not None:
+                    readers.close()
+                closing.start(backend.url.split(":", 1)[0], client, backend.before_close, cleanup)
+    finally:  # a run cut short still stops what was started early for backends it never reached
+        for name, job in early.items():
+            with contextlib.suppress(Exception):
+                got = job.result()
+                if name.startswith("prep:"):
+                    got[1]()
                 else:
-                    url, options = backend.reader_url(client)
-                    readers = ReaderPool(args.readers, url, options)
-            for case in cases:
-                size, n_fields, layout = case
-                batch = make_batch(size * MB, n_fields, layout=layout, objects=args.objects)  # type: ignore[arg-type]
-                if case not in ceilings:
-                    ceilings[case] = _ceilings(batch, args.repeat, with_ray=args.ray)
-                results.append(_measure(backend, client, batch, case, ceilings[case], args, readers))
-                del batch
-                gc.collect()
-                progress.step(f"{backend.name} {size}MB x{n_fields} {layout}")
-        except Exception as e:  # one backend failing mid-run must not lose the others' results
-            skipped[backend.name] = f"failed during the run: {type(e).__name__}: {e}"
-        finally:
-            if readers is not None:
-                readers.close()
-            closing.start(backend.url.split(":", 1)[0], client, backend.before_close, cleanup)
+                    got.close()
     closing.wait_all()
     progress.close()
     return {
