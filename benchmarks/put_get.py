@@ -36,6 +36,7 @@ from benchmarks.workload import Batch, flat_views, human_bytes, make_batch, medi
 SCHEMA_VERSION = 1
 MB = 1 << 20
 CLOSE_TIMEOUT_S = 120.0
+START_TIMEOUT_S = 300.0  # bound on waiting for a backend started early (connect has its own bounds too)
 
 
 @dataclass
@@ -341,10 +342,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 options = dict(backend.options)
                 prepared = early.pop(f"prep:{backend.name}", None)
                 if prepared is not None:
-                    extra, cleanup = prepared.result()
+                    extra, cleanup = prepared.result(timeout=START_TIMEOUT_S)
                     options.update(extra)
                 pending = early.pop(backend.name, None)
-                client = pending.result() if pending is not None else dataplane.connect(backend.url, **options)
+                client = (
+                    pending.result(timeout=START_TIMEOUT_S)
+                    if pending is not None
+                    else dataplane.connect(backend.url, **options)
+                )
             except Exception as e:  # report and go on with the other backends
                 skipped[backend.name] = f"failed to start: {type(e).__name__}: {e}"
                 if cleanup is not None:
@@ -378,7 +383,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:  # a run cut short still stops what was started early for backends it never reached
         for name, job in early.items():
             with contextlib.suppress(Exception):
-                got = job.result()
+                got = job.result(timeout=START_TIMEOUT_S)
                 if name.startswith("prep:"):
                     got[1]()
                 else:
