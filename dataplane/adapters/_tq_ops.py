@@ -9,8 +9,14 @@ Controller round trips (ZMQ requests to the ``TransferQueueController``), measur
   ``set_custom_meta`` that commits row tags, markers and new schemas together. A write-back of
   existing rows without tags and without new fields skips the last one (2).
 * get by meta (schema carried in ``meta.extra_info`` by the put): 1, like TQ's ``kv_batch_get``.
+  The carried schema is checked against what the rows were written with (TQ's record of each field
+  on Mooncake, the blobs' schema tokens on SimpleStorage); on a mismatch the get reads the schema
+  keys (1 more).
 * get by keys: 2, sent concurrently (the rows' metadata and the requested fields' schema keys), so
   the latency is about one.
+
+On SimpleStorage a put's fields travel as one packed TQ field (:mod:`dataplane.adapters._tq_pack`),
+so TQ's per-(row, field) cost is paid once per row.
 
 Everything before the storage write is validation: a schema conflict raises ``SchemaError`` and
 only un-registers the keys the put had just created.
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 from functools import partial
@@ -29,13 +36,21 @@ from tensordict import TensorDict
 
 from dataplane.adapters._tq_deploy import TQDeployment
 from dataplane.adapters._tq_mooncake import MooncakeData, ReadPlan
+from dataplane.adapters._tq_pack import (
+    ParsedPack,
+    StaleSchema,
+    column_of,
+    marker_after_put,
+    pack_columns,
+    pack_field,
+    packs_of_marker,
+    parse_pack,
+)
 from dataplane.adapters._tq_wire import (
     MARKER,
-    assemble,
     decode_schemas,
     is_reserved,
     join_fields,
-    restore,
     schema_key,
     schema_tag,
     signature_matches,
@@ -55,9 +70,31 @@ SCHEMA_EXTRA = "tq_schema"  # meta.extra_info key of the schemas a put wrote
 ROLLBACK_TIMEOUT_S = 10.0
 
 
+@functools.lru_cache(maxsize=4096)
+def _marker_with(marker: str | None, fields: frozenset[str]) -> str:
+    """Mooncake layout's row marker: the row's fields, sorted, comma-joined."""
+    return join_fields(split_fields(marker) | fields)
+
+
 def _log_failure(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled() and fut.exception() is not None:
         log.warning("dataplane: rolling back a failed put failed; its new keys may remain: %s", fut.exception())
+
+
+def _missing_fields(
+    pid: str,
+    keys: Sequence[str],
+    absent: Sequence[str],
+    markers: Sequence[set[str]],
+    known: Mapping[str, FieldSchema],
+) -> KeyNotFound:
+    """``KeyNotFound`` naming, per absent field, the rows that lack it (all of them when the
+    partition has no schema for it)."""
+    missing = {}
+    for f in absent:
+        lacking = [k for k, m in zip(keys, markers, strict=False) if f not in m or f not in known]
+        missing[f] = lacking or list(keys)
+    return missing_rows_error(pid, (), missing)
 
 
 class TQOps:
@@ -69,10 +106,14 @@ class TQOps:
         self.mooncake: MooncakeData | None = None
         if dep.storage == "mooncake":
             self.mooncake = MooncakeData(self.manager.storage_client)
-        # SimpleStorage: read the units' rows ourselves when this TQ has the pieces (0.1.11 does)
-        self._direct = self.mooncake is None and all(
-            hasattr(self.manager, a) for a in ("_group_by_hash", "_request_with_retry", "_get_from_single_storage_unit")
-        )
+        else:  # SimpleStorage: we read the units' rows ourselves, with TQ 0.1.11's own requests
+            needed = ("_group_by_hash", "_request_with_retry", "_get_from_single_storage_unit")
+            lacking = [a for a in needed if not hasattr(self.manager, a)]
+            if lacking:
+                raise BackendUnavailable(
+                    f"this TransferQueue's storage manager lacks {lacking}; install transferqueue==0.1.11 "
+                    "(pip install 'dataplane[tq]')"
+                )
         self.round_trips = 0  # controller requests sent through these ops
         self._background: set[asyncio.Future[Any]] = set()
 
@@ -130,19 +171,24 @@ class TQOps:
         rows = BatchMeta(gis, [pid] * len(gis))
         writing: asyncio.Future[Any] | None = None
         try:
-            td = TensorDict({f: to_tq(c) for f, c in columns.items()}, batch_size=[len(keys)])
             if self.mooncake is None:
+                packed = pack_columns(columns, len(keys))
+                td = TensorDict({pack_field(packed.pack): packed.rows}, batch_size=[len(keys)])
                 self.round_trips += 1  # the storage manager's data-update notify
                 await self.manager.put_data(td, rows)
+                marking = functools.partial(marker_after_put, pack=packed.pack)
             else:
+                td = TensorDict({f: to_tq(c) for f, c in columns.items()}, batch_size=[len(keys)])
                 writing = asyncio.ensure_future(self._in_thread(self.mooncake.put, gis, columns))
                 await asyncio.shield(writing)  # a timeout must not orphan the write (see _rollback)
                 self.round_trips += 1
                 await self.manager.notify_data_update(pid, gis, extract_field_schema(td), None)
+                marking = functools.partial(_marker_with, fields=frozenset(fields))
             commit_gis, commit_tags = [], []
             for i, (gi, old) in enumerate(zip(gis, old_tags, strict=True)):
-                marked = join_fields(split_fields(old.get(MARKER)) | set(fields))
-                if tags is None and old.get(MARKER) == marked:
+                was = old.get(MARKER)
+                marked = marking(was if isinstance(was, str) else None)
+                if tags is None and was == marked:
                     continue  # nothing to change: skip, and leave concurrent tag updates alone
                 commit_gis.append(gi)
                 commit_tags.append({**old, **(tags[i] if tags is not None else {}), MARKER: marked})
@@ -196,6 +242,8 @@ class TQOps:
     async def get(
         self, pid: str, keys: Sequence[str], fields: Sequence[str], carried: Mapping[str, Any] | None
     ) -> dict[str, Column]:
+        if self.mooncake is None:
+            return await self._packed_get(pid, keys, list(fields), carried)
         skeys = [schema_key(f) for f in fields]
         known = {f: FieldSchema.from_dict(carried[f]) for f in fields if carried and f in carried}
         if len(known) == len(fields):
@@ -211,49 +259,96 @@ class TQOps:
         absent = [f for f in fields if f not in bm.field_schema or f not in known]
         if absent:
             markers = [split_fields(t.get(MARKER)) for t in bm.custom_meta]
-            missing = {}
-            for f in absent:
-                lacking = [k for k, m in zip(keys, markers, strict=True) if f not in m or f not in known]
-                missing[f] = lacking or list(keys)
-            raise missing_rows_error(pid, (), missing)
+            raise _missing_fields(pid, keys, absent, markers, known)
         n = len(keys)
-        if self.mooncake is not None:
-            plans = {f: ReadPlan(known[f], self._lengths(f, known[f], bm.field_schema[f], n)) for f in fields}
-            got: dict[str, Column] = await self._in_thread(self.mooncake.get, bm.global_indexes, plans)
-            return got
-        if self._direct:
-            return await self._simple_get(bm.global_indexes, list(fields), known)
-        td = await self.manager.get_data(bm.select_fields(list(fields)))
-        return {f: restore(f, known[f], td.get(f), n) for f in fields}
+        plans = {f: ReadPlan(known[f], self._lengths(f, known[f], bm.field_schema[f], n)) for f in fields}
+        got: dict[str, Column] = await self._in_thread(self.mooncake.get, bm.global_indexes, plans)
+        return got
 
-    async def _simple_get(
-        self, gis: list[int], fields: list[str], schemas: Mapping[str, FieldSchema]
+    async def _packed_get(
+        self, pid: str, keys: Sequence[str], fields: list[str], carried: Mapping[str, Any] | None
     ) -> dict[str, Column]:
-        """SimpleStorage get that builds our columns from the units' rows: one copy per field.
+        """SimpleStorage get: group the rows by the packs holding the fields, read each group's packs
+        straight from the units (TQ's ``get_data`` would first build a nested tensor per pack), and
+        cut the fields out of the blobs (one copy per field)."""
+        skeys = [schema_key(f) for f in fields]
+        known = {f: FieldSchema.from_dict(carried[f]) for f in fields if carried and f in carried}
+        trusted = len(known) == len(fields)  # carried by the meta; the blobs' schema tokens check it
+        if trusted:
+            bm = await self._retrieve(pid, list(keys))
+        else:
+            bm, sm = await asyncio.gather(self._retrieve(pid, list(keys)), self._retrieve(pid, skeys))
+            known = decode_schemas(sm.custom_meta)
+        if bm.size != len(keys):
+            raise await self._missing_keys(pid, keys)
+        groups: dict[tuple[str, ...], list[int]] = {}
+        resolved: dict[object, tuple[str, ...] | None] = {}
+        lacking: list[int] = []
+        for pos, tags in enumerate(bm.custom_meta):
+            marker = tags.get(MARKER)
+            if marker not in resolved:
+                where = packs_of_marker(marker) if isinstance(marker, str) else {}
+                resolved[marker] = tuple(where[f] for f in fields) if all(f in where for f in fields) else None
+            packs = resolved[marker]
+            if packs is None:
+                lacking.append(pos)
+            else:
+                groups.setdefault(packs, []).append(pos)
+        if lacking or any(f not in known for f in fields):
+            markers = [split_fields(t.get(MARKER)) for t in bm.custom_meta]
+            absent = [f for f in fields if f not in known or any(f not in markers[p] for p in lacking)]
+            raise _missing_fields(pid, keys, absent, markers, known)
+        gis = bm.global_indexes
+        reads = [
+            self._read_rows([gis[p] for p in positions], list(dict.fromkeys(packs)))
+            for packs, positions in groups.items()
+        ]
+        sources: dict[str, list[ParsedPack]] = {f: [] for f in fields}
+        for (packs, positions), blobs in zip(groups.items(), await asyncio.gather(*reads), strict=True):
+            parsed = {p: parse_pack(p, blobs[p], positions) for p in dict.fromkeys(packs)}
+            for f, p in zip(fields, packs, strict=True):
+                sources[f].append(parsed[p])
+        n = len(keys)
+        try:
+            return {f: column_of(f, known[f], n, sources[f]) for f in fields}
+        except StaleSchema as e:
+            if not trusted:
+                raise SchemaError(f"{e}; the partition was probably written by something other than dataplane") from e
+        # the meta's schemas are stale (the partition was cleared and re-written since): read them
+        known = decode_schemas((await self._retrieve(pid, skeys)).custom_meta)
+        if any(f not in known for f in fields):
+            raise _missing_fields(pid, keys, [f for f in fields if f not in known], [], known)
+        try:
+            return {f: column_of(f, known[f], n, sources[f]) for f in fields}
+        except StaleSchema as e:
+            raise SchemaError(f"{e}; the partition was probably written by something other than dataplane") from e
 
-        TQ's own ``get_data`` packs every field into a nested tensor first (a copy, and ~0.5 ms of
-        nested-tensor bookkeeping per field) that we would only take apart again.
-        """
+    async def _read_rows(self, gis: list[int], packs: list[str]) -> dict[str, list[Any]]:
+        """Each pack's blob of each row, in the order of ``gis``, from the units that hold them."""
         m = self.manager
+        names = [pack_field(p) for p in packs]
         routing = m._group_by_hash(gis)
         results = await asyncio.gather(
             *(
                 m._request_with_retry(
                     "get",
                     su,
-                    f"samples={len(group.global_indexes)} fields={fields}",
-                    partial(m._get_from_single_storage_unit, group.global_indexes, fields, target_storage_unit=su),
+                    f"samples={len(group.global_indexes)} fields={names}",
+                    partial(m._get_from_single_storage_unit, group.global_indexes, names, target_storage_unit=su),
                 )
                 for su, group in routing.items()
             )
         )
-        out: dict[str, Column] = {}
-        for f in fields:
+        if len(results) == 1:
+            data = results[0][1]
+            return {p: list(data[name]) for p, name in zip(packs, names, strict=True)}
+        out: dict[str, list[Any]] = {}
+        for p, name in zip(packs, names, strict=True):
             rows: list[Any] = [None] * len(gis)
             for group, (_, data) in zip(routing.values(), results, strict=True):
                 for i, pos in enumerate(group.batch_positions):
-                    rows[pos] = data[f][i]
-            out[f] = assemble(f, schemas[f], rows)
+                    rows[pos] = data[name][i]
+            out[p] = rows
         return out
 
     @staticmethod
