@@ -126,13 +126,20 @@ def _check_keys(keys: object, *, what: str = "keys") -> list[str]:
     out = list(keys)
     if not out:
         raise InvalidArgument(f"{what} is empty; give at least one key")
-    for k in out:
-        if not isinstance(k, str):
-            raise SchemaError(
-                f"every key must be a str, got {type(k).__name__} ({k!r}); mint keys like f'{{uid}}_g{{i}}'"
-            )
-        if not k or len(k) > MAX_KEY_LEN or not k.isprintable():
-            raise InvalidArgument(f"key {k[:40]!r} must be 1-{MAX_KEY_LEN} printable characters")
+    # C-level passes first (a get checks every key of the batch on every call); the loop names the bad key
+    if not (
+        all(type(k) is str for k in out)
+        and min(map(len, out)) > 0
+        and max(map(len, out)) <= MAX_KEY_LEN
+        and "".join(out).isprintable()
+    ):
+        for k in out:
+            if not isinstance(k, str):
+                raise SchemaError(
+                    f"every key must be a str, got {type(k).__name__} ({k!r}); mint keys like f'{{uid}}_g{{i}}'"
+                )
+            if not k or len(k) > MAX_KEY_LEN or not k.isprintable():
+                raise InvalidArgument(f"key {k[:40]!r} must be 1-{MAX_KEY_LEN} printable characters")
     if len(set(out)) != len(out):
         seen: set[str] = set()
         dups = [k for k in out if k in seen or seen.add(k)]  # type: ignore[func-returns-value]
