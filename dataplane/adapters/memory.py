@@ -124,12 +124,17 @@ class _Partition:
         self.schema: dict[str, FieldSchema] = {}
 
 
-def _stored_copy(col: Column, pool: BufferPool) -> _Chunk:
-    """Copy a column once into pooled memory."""
+def _stored_copy(col: Column, pool: BufferPool, offsets: dict[int, torch.Tensor]) -> _Chunk:
+    """Copy a column once into pooled memory (columns that share an offsets tensor share its copy)."""
     values = col.values
     buf = pool.tensor(tuple(values.shape), values.dtype)
     buf.copy_(values)
-    return _Chunk(buf, None if col.offsets is None else col.offsets.clone())
+    if col.offsets is None:
+        return _Chunk(buf, None)
+    own = offsets.get(id(col.offsets))
+    if own is None:
+        own = offsets[id(col.offsets)] = col.offsets.clone()
+    return _Chunk(buf, own)
 
 
 Run = tuple[_Chunk, int, int]  # rows first..last (inclusive) of a chunk
@@ -146,8 +151,10 @@ def _block_runs(refs: list[_Ref]) -> list[tuple[_Block, int, int]]:
     return runs
 
 
-def _assemble(schema: FieldSchema, runs: list[Run]) -> Column:
-    """Copy the runs back to back into one pooled buffer the caller owns."""
+def _assemble(schema: FieldSchema, runs: list[Run], layouts: dict[tuple[Any, ...], torch.Tensor]) -> Column:
+    """Copy the runs back to back into one pooled buffer the caller owns. Fields whose runs cover
+    the same rows of one stored offsets tensor get one offsets tensor (``layouts``), hence one
+    ragged dim in the result."""
     pool = default_pool()
     if schema.kind == "dense":
         out = pool.tensor((sum(last - first + 1 for _, first, last in runs), *schema.inner_shape), schema.dtype)
@@ -163,15 +170,19 @@ def _assemble(schema: FieldSchema, runs: list[Run]) -> Column:
         spans.append((chunk, int(chunk.offsets[first]), int(chunk.offsets[last + 1]), first, last))
     values = pool.tensor((sum(b - a for _, a, b, _, _ in spans), *schema.inner_shape), schema.dtype)
     at = 0
-    pieces = []
-    for chunk, a, b, first, last in spans:
+    for chunk, a, b, _, _ in spans:
         if b > a:
             values[at : at + b - a].copy_(chunk.buf[a:b])
         at += b - a
-        assert chunk.offsets is not None
-        pieces.append(chunk.offsets[first + 1 : last + 2] - chunk.offsets[first : last + 1])
-    lengths = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-    return Column(schema, values, offsets_from_lengths(lengths))
+    layout = tuple((id(chunk.offsets), first, last) for chunk, _, _, first, last in spans)
+    offsets = layouts.get(layout)
+    if offsets is None:
+        pieces = []
+        for chunk, _, _, first, last in spans:
+            assert chunk.offsets is not None
+            pieces.append(chunk.offsets[first + 1 : last + 2] - chunk.offsets[first : last + 1])
+        offsets = layouts[layout] = offsets_from_lengths(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
+    return Column(schema, values, offsets)
 
 
 class MemoryStore(KVStore):
@@ -223,7 +234,8 @@ class MemoryStore(KVStore):
                 f"a put of {incoming} bytes can never fit a memory store of capacity_bytes={cfg.capacity_bytes}; "
                 "split the batch or raise capacity_bytes"
             )
-        block = _Block({field: _stored_copy(col, self._pool) for field, col in columns.items()})
+        shared: dict[int, torch.Tensor] = {}
+        block = _Block({field: _stored_copy(col, self._pool, shared) for field, col in columns.items()})
         written = frozenset(columns)
         self._acquire(timeout_s)
         try:
@@ -334,7 +346,8 @@ class MemoryStore(KVStore):
             self._lock.release()
         # Copy outside the lock: a stored buffer is never written after its put publishes it, and
         # ``runs`` holds the chunks alive even if a concurrent put or clear drops them.
-        return {f: _assemble(schemas[f], runs[f]) for f in fields}
+        layouts: dict[tuple[Any, ...], torch.Tensor] = {}
+        return {f: _assemble(schemas[f], runs[f], layouts) for f in fields}
 
     def clear(self, partition_id: str, keys: Sequence[str] | None, *, timeout_s: float) -> None:
         self._acquire(timeout_s)
