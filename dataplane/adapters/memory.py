@@ -151,38 +151,64 @@ def _block_runs(refs: list[_Ref]) -> list[tuple[_Block, int, int]]:
     return runs
 
 
-def _assemble(schema: FieldSchema, runs: list[Run], layouts: dict[tuple[Any, ...], torch.Tensor]) -> Column:
-    """Copy the runs back to back into one pooled buffer the caller owns. Fields whose runs cover
-    the same rows of one stored offsets tensor get one offsets tensor (``layouts``), hence one
-    ragged dim in the result."""
-    pool = default_pool()
+_ALIGN = 64  # byte alignment of each field inside a get's shared result buffer
+_SHARED_MIN = 1 << 20  # fields this large share it; a small one (a [B] reward) never holds it alive
+
+Span = tuple[_Chunk, int, int]  # leading-dim rows a..b (exclusive) of a chunk's buffer
+
+
+def _spans(schema: FieldSchema, runs: list[Run]) -> list[Span]:
     if schema.kind == "dense":
-        out = pool.tensor((sum(last - first + 1 for _, first, last in runs), *schema.inner_shape), schema.dtype)
-        at = 0
-        for chunk, first, last in runs:
-            n = last - first + 1
-            out[at : at + n].copy_(chunk.buf[first : last + 1])
-            at += n
-        return Column(schema, out)
-    spans = []
+        return [(chunk, first, last + 1) for chunk, first, last in runs]
+    out = []
     for chunk, first, last in runs:
         assert chunk.offsets is not None
-        spans.append((chunk, int(chunk.offsets[first]), int(chunk.offsets[last + 1]), first, last))
-    values = pool.tensor((sum(b - a for _, a, b, _, _ in spans), *schema.inner_shape), schema.dtype)
-    at = 0
-    for chunk, a, b, _, _ in spans:
-        if b > a:
-            values[at : at + b - a].copy_(chunk.buf[a:b])
-        at += b - a
-    layout = tuple((id(chunk.offsets), first, last) for chunk, _, _, first, last in spans)
-    offsets = layouts.get(layout)
-    if offsets is None:
-        pieces = []
-        for chunk, _, _, first, last in spans:
-            assert chunk.offsets is not None
-            pieces.append(chunk.offsets[first + 1 : last + 2] - chunk.offsets[first : last + 1])
-        offsets = layouts[layout] = offsets_from_lengths(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
-    return Column(schema, values, offsets)
+        out.append((chunk, int(chunk.offsets[first]), int(chunk.offsets[last + 1])))
+    return out
+
+
+def _assemble(
+    schemas: Mapping[str, FieldSchema], runs: Mapping[str, list[Run]], fields: Sequence[str]
+) -> dict[str, Column]:
+    """Copy each field's runs back to back into memory the caller owns: fields of 1 MiB or more
+    share one pooled buffer (one allocation and one run of huge pages instead of one per field; it
+    returns to the pool when the last of them is gone), smaller ones get their own. Fields whose
+    runs cover the same rows of one stored offsets tensor share one offsets tensor, hence one ragged
+    dim."""
+    spans = {f: _spans(schemas[f], runs[f]) for f in fields}
+    rows = {f: sum(b - a for _, a, b in spans[f]) for f in fields}
+    nbytes = {f: rows[f] * schemas[f].row_numel * schemas[f].dtype.itemsize for f in fields}
+    starts, total = {}, 0
+    for f in fields:
+        if nbytes[f] >= _SHARED_MIN:
+            starts[f] = total
+            total += -(-nbytes[f] // _ALIGN) * _ALIGN
+    slab = default_pool().empty(total) if total else None
+    layouts: dict[tuple[Any, ...], torch.Tensor] = {}
+    out: dict[str, Column] = {}
+    for f in fields:
+        schema = schemas[f]
+        at = starts.get(f)
+        raw = torch.empty(nbytes[f], dtype=torch.uint8) if slab is None or at is None else slab[at : at + nbytes[f]]
+        values = raw.view(schema.dtype).view(rows[f], *schema.inner_shape)
+        at = 0
+        for chunk, a, b in spans[f]:
+            if b > a:
+                values[at : at + b - a].copy_(chunk.buf[a:b])
+            at += b - a
+        if schema.kind == "dense":
+            out[f] = Column(schema, values)
+            continue
+        layout = tuple((id(chunk.offsets), first, last) for chunk, first, last in runs[f])
+        offsets = layouts.get(layout)
+        if offsets is None:
+            pieces = []
+            for chunk, first, last in runs[f]:
+                assert chunk.offsets is not None
+                pieces.append(chunk.offsets[first + 1 : last + 2] - chunk.offsets[first : last + 1])
+            offsets = layouts[layout] = offsets_from_lengths(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
+        out[f] = Column(schema, values, offsets)
+    return out
 
 
 class MemoryStore(KVStore):
@@ -346,8 +372,7 @@ class MemoryStore(KVStore):
             self._lock.release()
         # Copy outside the lock: a stored buffer is never written after its put publishes it, and
         # ``runs`` holds the chunks alive even if a concurrent put or clear drops them.
-        layouts: dict[tuple[Any, ...], torch.Tensor] = {}
-        return {f: _assemble(schemas[f], runs[f], layouts) for f in fields}
+        return _assemble(schemas, runs, fields)
 
     def clear(self, partition_id: str, keys: Sequence[str] | None, *, timeout_s: float) -> None:
         self._acquire(timeout_s)
