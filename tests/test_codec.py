@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from dataplane.codec import (
     RaggedCache,
     encode_fields,
+    jagged,
     materialize,
     offsets_from_lengths,
     pack,
@@ -19,6 +20,7 @@ from dataplane.codec import (
     padded_width,
     to_nested,
 )
+from dataplane.codec.jagged import Ragged
 from dataplane.codec.objects import decode_objects, encode_objects
 from dataplane.errors import InvalidArgument, SchemaError
 from dataplane.testing.strategies import ALL_DTYPES, bit_exact, object_values, random_tensor
@@ -93,6 +95,31 @@ def test_to_nested_matches_torch_constructor(lens: list[int], dtype: torch.dtype
     assert all(bit_exact(a, b) for a, b in zip(ours.unbind(), ref.unbind(), strict=True))
     if lens and max(lens) > 0:
         assert ours._max_seqlen == max(lens) and ours._min_seqlen == min(lens)  # type: ignore[attr-defined]
+
+
+def test_fast_nested_constructor_matches_torch_or_steps_aside(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The direct NestedTensor build is used only after its self-check; it then builds what torch builds."""
+    offsets = offsets_from_lengths([3, 0, 4])
+    r = Ragged.of(offsets)
+    for values in (torch.randn(7, 2, 3), torch.arange(7), torch.rand(7) > 0.5):
+        ours = to_nested(values, offsets, ragged=r)
+        ref = torch.nested.nested_tensor_from_jagged(values, offsets, min_seqlen=0, max_seqlen=4)
+        assert str(ours.shape) == str(ref.shape) and str(ours.stride()) == str(ref.stride())
+        assert torch.equal(
+            torch.nested.to_padded_tensor(ours.float(), -1), torch.nested.to_padded_tensor(ref.float(), -1)
+        )
+    assert (to_nested(torch.ones(7), offsets, ragged=r) * to_nested(torch.arange(7.0), offsets, ragged=r)).shape[0] == 3
+    jagged._fast_njt_ok.cache_clear()
+    try:
+        monkeypatch.setattr(jagged, "_fast_njt", lambda *a: torch.zeros(1))  # a torch it does not fit
+        assert not jagged._fast_njt_ok()
+        back = to_nested(torch.arange(7), offsets, ragged=Ragged.of(offsets))  # torch's constructor instead
+        assert [x.tolist() for x in back.unbind()] == [[0, 1, 2], [], [3, 4, 5, 6]]
+    finally:
+        monkeypatch.undo()
+        jagged._fast_njt_ok.cache_clear()
+    if torch.__version__.startswith("2.13"):  # the torch CI pins: the fast path must be live there
+        assert jagged._fast_njt_ok()
 
 
 def test_ragged_cache_shares_offsets_of_equal_lengths() -> None:

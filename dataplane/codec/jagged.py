@@ -7,8 +7,9 @@ into a padded tensor, or ``to_nested`` into a jagged nested tensor, without copy
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -132,6 +133,7 @@ class Ragged:
     min_len: int
     max_len: int
     seqlen_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # torch's holders of min/max, shared
+    outer: dict[int, Any] = field(default_factory=dict)  # values' row stride -> (ragged size, outer stride)
 
     @classmethod
     def of(cls, offsets: torch.Tensor) -> Ragged:
@@ -139,7 +141,11 @@ class Ragged:
         if lens.numel() == 0:
             return cls(offsets, lens, 0, 0)
         lo, hi = (int(x) for x in torch.aminmax(lens))
-        held = None if _NJT is None else (_store_val_in_tensor(lo), _store_val_in_tensor(hi))
+        held = None
+        if _NJT is not None:
+            held = (_store_val_in_tensor(lo), _store_val_in_tensor(hi))
+            for t in held:  # what NestedTensor.__init__ does with them, once instead of per tensor
+                torch._dynamo.mark_dynamic(t, 0)
         return cls(offsets, lens, lo, hi, held)
 
 
@@ -198,8 +204,89 @@ def to_nested(values: torch.Tensor, offsets: torch.Tensor, *, ragged: Ragged | N
         return torch.nested.nested_tensor_from_jagged(values, r.offsets)
     if r.seqlen_cache is not None and not values.requires_grad and values.device == r.offsets.device:
         cache = {"min_seqlen": r.seqlen_cache[0], "max_seqlen": r.seqlen_cache[1]}
+        if _fast_njt_ok():
+            return _fast_njt(values, r, cache)
         return _NJT(values, r.offsets, _metadata_cache=cache)  # type: ignore[no-any-return]
     return torch.nested.nested_tensor_from_jagged(values, r.offsets, min_seqlen=r.min_len, max_seqlen=r.max_len)
+
+
+# NestedTensor.__new__/__init__ for the case above, with the ragged size times the row stride
+# computed once per Ragged (torch builds a new symbolic int per tensor) and the min/max holders
+# marked dynamic once: about half the cost of a nested tensor, which is per field of every get.
+# Used only after a self-check against torch's own constructor passes on this torch.
+_NJT_KEYS: Any = None
+
+
+def _fast_njt(values: torch.Tensor, r: Ragged, cache: dict[str, Any]) -> torch.Tensor:
+    stride = values.stride()
+    sym = r.outer.get(stride[0])
+    if sym is None:
+        ragged_size = _njt_module.get_tensor_symint(r.offsets, coeff=1)  # type: ignore[no-untyped-call]
+        sym = r.outer[stride[0]] = (ragged_size, ragged_size * stride[0])
+    size = (r.offsets.shape[0] - 1, sym[0], *values.shape[1:])
+    strides = (sym[1], *stride)
+    t: Any = torch.Tensor._make_wrapper_subclass(
+        _NJT,
+        size,
+        strides,
+        0,
+        torch.contiguous_format,
+        values.dtype,
+        torch.jagged,
+        values.device,
+        False,
+        False,
+        "sizes",
+        False,
+        True,
+        _NJT_KEYS,
+        storage_size=values.untyped_storage().size(),
+    )
+    t._ragged_idx = 1
+    t._size = size
+    t._strides = strides
+    t._values = values
+    t._offsets = r.offsets
+    t._lengths = None
+    t._metadata_cache = cache
+    t._dynamo_propagated_dynamic_indices = {1}
+    values._dynamo_propagated_dynamic_indices = {0}  # type: ignore[attr-defined]
+    return t  # type: ignore[no-any-return]
+
+
+@functools.lru_cache(maxsize=1)
+def _fast_njt_ok() -> bool:
+    """Whether :func:`_fast_njt` builds what torch's constructor builds, on this torch."""
+    global _NJT_KEYS
+    try:
+        from torch._C import DispatchKey, DispatchKeySet
+
+        _NJT_KEYS = DispatchKeySet(DispatchKey.NestedTensor).add(DispatchKey.AutogradNestedTensor)
+        offsets = torch.tensor([0, 2, 2, 5])
+        r = Ragged.of(offsets)
+        a_vals, b_vals = torch.arange(10.0).view(5, 2), torch.arange(5)
+        cache = {"min_seqlen": r.seqlen_cache[0], "max_seqlen": r.seqlen_cache[1]}  # type: ignore[index]
+        fast: list[Any] = [_fast_njt(v, r, dict(cache)) for v in (a_vals, b_vals)]
+        ref: list[Any] = [_NJT(v, offsets, _metadata_cache=dict(cache)) for v in (a_vals, b_vals)]
+        for f, g in zip(fast, ref, strict=True):
+            same = (
+                type(f) is type(g)
+                and str(f.shape) == str(g.shape)
+                and str(f.stride()) == str(g.stride())
+                and f.dtype == g.dtype
+                and f.layout == g.layout
+                and f._ragged_idx == g._ragged_idx
+                and torch.equal(f.values(), g.values())
+                and f.offsets() is g.offsets()
+                and [x.tolist() for x in f.unbind()] == [x.tolist() for x in g.unbind()]
+                and torch.equal((f * 2).values(), (g * 2).values())
+            )
+            if not same:
+                return False
+        summed = fast[0] + fast[0]
+        return bool(torch.equal(summed.values(), a_vals * 2) and fast[0].shape[1] == fast[1].shape[1])
+    except Exception:  # another torch: keep its public constructor
+        return False
 
 
 def padded_width(max_length: int, pad_to_multiple: int = 1, pad_to_length: int | None = None) -> int:
