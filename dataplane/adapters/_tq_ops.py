@@ -7,7 +7,8 @@ Controller round trips (ZMQ requests to the ``TransferQueueController``), measur
   the put's fields plus its keys (one request: allocates the new keys, returns recorded schemas,
   tags and which keys exist), the storage write with its data-update notify, and one
   ``set_custom_meta`` that commits row tags, markers and new schemas together. A write-back of
-  existing rows without tags and without new fields skips the last one (2).
+  existing rows without tags that leaves their markers as they were (on SimpleStorage: the same
+  field set as the rows' last put; on Mooncake: no new field) skips the last one (2).
 * get by meta (schema carried in ``meta.extra_info`` by the put): 1, like TQ's ``kv_batch_get``.
   The carried schema is checked against what the rows were written with (TQ's record of each field
   on Mooncake, the blobs' schema tokens on SimpleStorage); on a mismatch the get reads the schema
@@ -282,12 +283,13 @@ class TQOps:
         if bm.size != len(keys):
             raise await self._missing_keys(pid, keys)
         groups: dict[tuple[str, ...], list[int]] = {}
-        resolved: dict[object, tuple[str, ...] | None] = {}
+        resolved: dict[str | None, tuple[str, ...] | None] = {}
         lacking: list[int] = []
         for pos, tags in enumerate(bm.custom_meta):
             marker = tags.get(MARKER)
+            marker = marker if isinstance(marker, str) else None  # a foreign tag may not even hash
             if marker not in resolved:
-                where = packs_of_marker(marker) if isinstance(marker, str) else {}
+                where = packs_of_marker(marker) if marker is not None else {}
                 resolved[marker] = tuple(where[f] for f in fields) if all(f in where for f in fields) else None
             packs = resolved[marker]
             if packs is None:

@@ -188,8 +188,12 @@ def _assemble(
     out: dict[str, Column] = {}
     for f in fields:
         schema = schemas[f]
-        at = starts.get(f)
-        raw = torch.empty(nbytes[f], dtype=torch.uint8) if slab is None or at is None else slab[at : at + nbytes[f]]
+        start = starts.get(f)
+        raw = (
+            torch.empty(nbytes[f], dtype=torch.uint8)
+            if slab is None or start is None
+            else slab[start : start + nbytes[f]]
+        )
         values = raw.view(schema.dtype).view(rows[f], *schema.inner_shape)
         at = 0
         for chunk, a, b in spans[f]:
