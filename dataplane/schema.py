@@ -90,6 +90,11 @@ class FieldSchema:
             n *= d
         return n
 
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes per row (dense) or per element of the leading dim (jagged; 1 for object bytes)."""
+        return self.row_numel * self.dtype.itemsize
+
     def describe(self) -> str:
         if self.kind == "object":
             return f"object[{self.codec}]"

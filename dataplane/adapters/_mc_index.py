@@ -148,10 +148,6 @@ class PutIndex:
         return [self.data_key(f) for f, e in self.fields.items() if e.nbytes] + [self.key]
 
 
-def _unit(schema: FieldSchema) -> int:
-    return schema.row_numel * schema.dtype.itemsize
-
-
 def make_index(
     key: str,
     put_id: str,
@@ -168,7 +164,7 @@ def make_index(
             own = shared.get(id(off))
             if own is None:
                 own = shared[id(off)] = np.array(off, dtype=np.int64)
-        entries[name] = FieldEntry(schema, int(n), own, _unit(schema))
+        entries[name] = FieldEntry(schema, int(n), own, schema.row_nbytes)
     return PutIndex(key, put_id, "put", tuple(keys), entries, None if tags is None else tuple(dict(t) for t in tags))
 
 
@@ -209,7 +205,7 @@ def decode_index(key: str, put_id: str, data: bytes) -> PutIndex:
                 off = shared.get(f["o"])
                 if off is None:
                     off = shared[f["o"]] = np.frombuffer(f["o"], dtype="<i8").astype(np.int64)
-            fields[name] = FieldEntry(schema, int(f["n"]), off, _unit(schema))
+            fields[name] = FieldEntry(schema, int(f["n"]), off, schema.row_nbytes)
         tags = None if body["tags"] is None else tuple(dict(t) for t in body["tags"])
         return PutIndex(key, put_id, body["op"], tuple(body["keys"]), fields, tags)
     except (ValueError, KeyError, TypeError, SchemaError, msgpack.UnpackException) as e:

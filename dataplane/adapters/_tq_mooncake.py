@@ -145,7 +145,7 @@ class MooncakeData:
         try:
             for field, plan in plans.items():
                 schema = plan.schema
-                es = torch.empty((), dtype=schema.dtype).element_size() * schema.row_numel
+                es = schema.row_nbytes
                 if plan.lengths is None:
                     buf = torch.empty((n, *schema.inner_shape), dtype=schema.dtype)
                     cuts = list(range(n + 1))

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from dataplane.bufpool import default_pool
-from dataplane.codec.jagged import to_nested
+from dataplane.codec.jagged import offsets_from_lengths, to_nested
 from dataplane.codec.wire import Column
 from dataplane.errors import DataPlaneError, SchemaError
 from dataplane.schema import FieldSchema
@@ -112,11 +112,6 @@ def _byte_view(values: torch.Tensor) -> torch.Tensor:
     return flat if flat.dtype is torch.uint8 else flat.view(torch.uint8)
 
 
-def _unit(schema: FieldSchema) -> int:
-    """Bytes per dense row, or per token of a jagged row (1 for object bytes)."""
-    return schema.row_numel * torch.empty((), dtype=schema.dtype).element_size()
-
-
 @dataclass(frozen=True, slots=True)
 class Packed:
     pack: str
@@ -136,7 +131,7 @@ def pack_columns(columns: Mapping[str, Column], num_rows: int) -> Packed:
     sources = []
     for j, f in enumerate(fields):
         col = columns[f]
-        unit = _unit(col.schema)
+        unit = col.schema.row_nbytes
         tokens[:, j] = schema_token(col.schema)
         sources.append(_byte_view(col.values).numpy())
         if col.offsets is None:
@@ -149,8 +144,7 @@ def pack_columns(columns: Mapping[str, Column], num_rows: int) -> Packed:
             starts[:, j] = offsets[:-1] * unit
     head = np.concatenate([sizes.view(np.uint8), counts.view(np.uint8), tokens.view(np.uint8)], axis=1)
     blob = sizes.sum(1) + head.shape[1]
-    offsets_out = np.zeros(num_rows + 1, dtype=np.int64)
-    np.cumsum(blob, out=offsets_out[1:])
+    offsets_out = offsets_from_lengths(torch.from_numpy(blob))
     total = int(offsets_out[-1])
     ends = (starts + sizes).tolist()
     pieces: list[np.ndarray] = []
@@ -159,7 +153,7 @@ def pack_columns(columns: Mapping[str, Column], num_rows: int) -> Packed:
         pieces.extend(src[a:b] for src, a, b in zip(sources, row_starts, row_ends, strict=True))
     out = default_pool().empty(total)
     np.concatenate(pieces, out=out.numpy())
-    return Packed(pack, to_nested(out, torch.from_numpy(offsets_out)))
+    return Packed(pack, to_nested(out, offsets_out))
 
 
 @dataclass(slots=True)
@@ -196,7 +190,7 @@ def parse_pack(pack: str, blobs: Sequence[object], positions: list[int]) -> Pars
 
 def column_of(field: str, schema: FieldSchema, num_rows: int, sources: Sequence[ParsedPack]) -> Column:
     """Field ``field`` of ``num_rows`` rows from the packs that hold it (together, every row once)."""
-    unit = _unit(schema)
+    unit = schema.row_nbytes
     token = schema_token(schema)
     pieces: list[np.ndarray | None] = [None] * num_rows
     counts = np.empty(num_rows, dtype=np.int64)
@@ -209,15 +203,14 @@ def column_of(field: str, schema: FieldSchema, num_rows: int, sources: Sequence[
             pieces[pos] = blob[a:b]
     if any(p is None for p in pieces):  # pragma: no cover - the caller groups every row
         raise DataPlaneError(f"field {field!r}: some rows were not read; this is a dataplane bug")
-    offsets = np.zeros(num_rows + 1, dtype=np.int64)
-    np.cumsum(counts, out=offsets[1:])
+    offsets = offsets_from_lengths(torch.from_numpy(counts))  # counts were checked >= 0
     total = int(offsets[-1])  # rows of the values tensor (num_rows for a dense field)
     out = default_pool().empty(total * unit)
     np.concatenate(pieces, out=out.numpy())  # type: ignore[arg-type]
     values = (out if schema.dtype is torch.uint8 else out.view(schema.dtype)).view(total, *schema.inner_shape)
     if schema.kind == "dense":
         return Column(schema, values)
-    return Column(schema, values, torch.from_numpy(offsets))
+    return Column(schema, values, offsets)
 
 
 def _check(field: str, schema: FieldSchema, unit: int, src: ParsedPack, j: int, token: int) -> None:

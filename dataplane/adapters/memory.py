@@ -177,7 +177,7 @@ def _assemble(
     dim."""
     spans = {f: _spans(schemas[f], runs[f]) for f in fields}
     rows = {f: sum(b - a for _, a, b in spans[f]) for f in fields}
-    nbytes = {f: rows[f] * schemas[f].row_numel * schemas[f].dtype.itemsize for f in fields}
+    nbytes = {f: rows[f] * schemas[f].row_nbytes for f in fields}
     starts, total = {}, 0
     for f in fields:
         if nbytes[f] >= _SHARED_MIN:
