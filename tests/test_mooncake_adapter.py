@@ -162,6 +162,21 @@ class TestMooncakeAdapter:
         finally:
             owner.kv_clear(partition_id="fast")
 
+    def test_each_step_reads_its_put_without_folding_after_the_writer_clears(
+        self, owner: StoreClient, other: StoreClient, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        spy = _Spy(monkeypatch, PartitionState, ["apply"])
+        try:
+            for step in range(3):  # the RL loop: put, read by meta, writer clears
+                meta = owner.kv_batch_put(["a", "b"], {"x": torch.tensor([step, -step])}, partition_id="steps")
+                assert other.kv_batch_get(meta, select_fields="x")["x"].tolist() == [step, -step]
+                owner.kv_clear(partition_id="steps")
+            assert spy.calls["apply"] == 0  # the reader's cache of earlier, cleared steps is dropped, not folded
+            with pytest.raises(KeyNotFound, match="no longer in the store"):
+                other.kv_batch_get(meta, select_fields="x")
+        finally:
+            owner.kv_clear(partition_id="steps")
+
     def test_an_unread_listing_answer_is_never_taken_for_a_later_one(
         self, owner: StoreClient, other: StoreClient
     ) -> None:

@@ -7,8 +7,9 @@ listing, then one ``batch_get_into`` (or ``get_into_ranges``) for the data. Inde
 immutable and cached, so only puts this process has not seen cost one more read, and a get by the
 meta a put returned does not even pay that (the meta carries the put's index in ``extra_info``; it
 is used only while the listing still shows that index, so a stale hint never returns stale data).
-When the listing shows that index as the partition's only one and the get asks for all of its rows
-in order (the usual RL read), the rows are not even folded into the per-row state.
+When the get asks for exactly the meta's rows in order (the usual RL read), the read is planned
+from the meta while the listing is on its way, and runs once the listing shows that index as the
+partition's only one; the rows are not even folded into the per-row state.
 """
 
 from __future__ import annotations
@@ -339,54 +340,69 @@ class MooncakeStore(KVStore):
         meta: KVBatchMeta | None,
         timeout_s: float,
     ) -> tuple[Mapping[str, Column], Callable[[], Mapping[str, Column] | None]]:
-        """List, resolve and plan the read, and hand the columns out before any byte moves;
-        ``finish`` moves them. The client decodes meanwhile, while its caches are warm: right after a
-        large transfer the same Python work runs about 3x slower on a small VM."""
+        """Plan the read and hand the columns out before any byte moves; ``finish`` moves them. The
+        client decodes meanwhile, while its caches are warm: right after a large transfer the same
+        Python work runs about 3x slower on a small VM.
+
+        A get of exactly the rows of the meta's put is planned from the meta alone, while the master
+        answers the listing; ``finish`` checks the listing before reading, and resolves afresh (new
+        columns) when the store has changed since that put."""
         deadline = time.monotonic() + timeout_s
         listing = self._start_listing(deadline)
         part = self._part(partition_id)
         hints = self._hints(partition_id, meta, part)
+        hinted = self._whole_put(keys, fields, hints)
+        if hinted is not None:
+            cols, fill = self.reader.plan({f: Resolved(hinted.fields[f].schema, [], whole=hinted) for f in fields})
+
+            def finish_hinted() -> Mapping[str, Column] | None:
+                lines = listing()
+                if not self._only_put(partition_id, part, hinted, lines):  # the store changed since
+                    return self._get_checked(partition_id, part, keys, fields, hints, deadline, lines)
+                try:
+                    fill(deadline)
+                except Vanished:  # a concurrent clear removed an object: resolve and read again
+                    return self._get_checked(partition_id, part, keys, fields, hints, deadline)
+                return None
+
+            return cols, finish_hinted
         lines = listing()
-        resolved = self._only_put(partition_id, part, keys, fields, hints, lines)
-        if resolved is None:
-            resolved = self._resolve(partition_id, part, keys, fields, hints, lines, deadline)
+        resolved = self._resolve(partition_id, part, keys, fields, hints, lines, deadline)
         cols, fill = self.reader.plan(resolved)
 
         def finish() -> Mapping[str, Column] | None:
             try:
                 fill(deadline)
-            except Vanished:  # a concurrent clear removed an object: resolve and read again
+            except Vanished:
                 return self._get_checked(partition_id, part, keys, fields, hints, deadline)
             return None
 
         return cols, finish
 
-    def _only_put(
-        self,
-        partition_id: str,
-        part: _Part,
-        keys: Sequence[str],
-        fields: Sequence[str],
-        hints: Mapping[str, PutIndex],
-        lines: Sequence[str],
-    ) -> dict[str, Resolved] | None:
-        """The usual RL read, resolved without folding rows: the listing shows exactly one index in
-        the partition, the meta's put (no other write, no tombstone), and the get asks for all of its
-        rows in its order. The put is kept in the cache unfolded; the next operation that needs the
-        partition's state folds it (:meth:`_refresh`)."""
+    @staticmethod
+    def _whole_put(keys: Sequence[str], fields: Sequence[str], hints: Mapping[str, PutIndex]) -> PutIndex | None:
+        """The meta's one put when the get asks for all of its rows in its order (the usual RL read)."""
         if len(hints) != 1:
             return None
         (p,) = hints.values()
         if p.op != "put" or tuple(keys) != p.keys or not all(f in p.fields for f in fields):
             return None
+        return p
+
+    def _only_put(self, partition_id: str, part: _Part, p: PutIndex, lines: Sequence[str]) -> bool:
+        """Whether the rows of put ``p`` can be read without folding rows: the listing shows exactly one
+        index in the partition, ``p``'s (no other write, no tombstone). The listing is the truth: any
+        other put this cache still holds was cleared (usually by the writer, after the previous step's
+        read) and is dropped. The put is kept in the cache unfolded; the next operation that needs the
+        partition's state folds it (:meth:`_refresh`)."""
         prefix = index_prefix(self.ns, partition_id)
         if [ln for ln in lines if ln.startswith(prefix)] != [p.key]:
-            return None
+            return False
         with part.lock:
             if part.known.keys() - {p.put_id}:
-                return None
+                part.state = PartitionState()  # folded rows of cleared puts: rebuilt when next needed
             part.known = {p.put_id: p}
-        return {f: Resolved(p.fields[f].schema, [], whole=p) for f in fields}
+        return True
 
     def _resolve(
         self,
@@ -414,10 +430,13 @@ class MooncakeStore(KVStore):
         fields: Sequence[str],
         hints: Mapping[str, PutIndex],
         deadline: float,
+        lines: list[str] | None = None,
     ) -> Mapping[str, Column]:
-        """List, resolve, read; again if an object vanished under the read (a concurrent clear)."""
-        for _ in range(_ATTEMPTS):
-            lines = self._listing(deadline)
+        """List (unless given the listing ``lines``), resolve, read; again if an object vanished under
+        the read (a concurrent clear)."""
+        for attempt in range(_ATTEMPTS):
+            if lines is None or attempt:
+                lines = self._listing(deadline)
             resolved = self._resolve(partition_id, part, keys, fields, hints, lines, deadline)
             try:
                 return self.reader.read(resolved, deadline)
