@@ -33,6 +33,9 @@ _PIECE_S = 150e-6
 _NET_BPS = 1.2e9
 _COPY_BPS = 8e9
 
+_SHARED_MIN = 1 << 20  # whole-object reads this large share one result buffer
+_ALIGN = 64  # byte alignment of each field in it
+
 
 class Vanished(Exception):
     """A listed object was removed before it was read (a concurrent clear): resolve again."""
@@ -74,8 +77,9 @@ class Reader:
         ops: list[_Op] = []
         gathers: list[_Gather] = []
         offsets: dict[int, torch.Tensor] = {}  # one tensor per shared offsets array (one ragged dim)
+        slices = self._shared_slab(resolved)
         for field, res in resolved.items():
-            col, field_ops, field_gathers = self._plan_field(field, res, offsets)
+            col, field_ops, field_gathers = self._plan_field(field, res, offsets, slices.get(field))
             out[field] = col
             ops += field_ops
             gathers += field_gathers
@@ -88,8 +92,24 @@ class Reader:
 
         return out, fill
 
+    def _shared_slab(self, resolved: Mapping[str, Resolved]) -> dict[str, torch.Tensor]:
+        """Slices of one pooled buffer for the whole-object reads of 1 MiB or more: one allocation and
+        one registered destination for the batch (it returns to the pool when the last of them is
+        gone); smaller fields get their own, so a kept ``[B]`` reward never pins the batch."""
+        starts: dict[str, tuple[int, int]] = {}
+        total = 0
+        for field, res in resolved.items():
+            nbytes = res.whole.fields[field].nbytes if res.whole is not None else 0
+            if nbytes >= _SHARED_MIN:
+                starts[field] = (total, nbytes)
+                total += -(-nbytes // _ALIGN) * _ALIGN
+        if len(starts) < 2:
+            return {}
+        slab = self.pool.empty(total)
+        return {field: slab[at : at + n] for field, (at, n) in starts.items()}
+
     def _plan_field(
-        self, field: str, res: Resolved, shared: dict[int, torch.Tensor]
+        self, field: str, res: Resolved, shared: dict[int, torch.Tensor], dst: torch.Tensor | None
     ) -> tuple[Column, list[_Op], list[_Gather]]:
         schema, locs = res.schema, res.locs
         if res.whole is not None:  # the rows of one put, in order: one read straight into the result
@@ -105,7 +125,7 @@ class Reader:
             rows = n if entry0.offsets is None else int(entry0.offsets[-1])
             if not total:
                 return Column(schema, _empty(schema, rows), offsets), [], []
-            buf = self.pool.empty(total)
+            buf = dst if dst is not None else self.pool.empty(total)
             values = buf.view(schema.dtype).view((rows, *schema.inner_shape))
             return Column(schema, values, offsets), [_Op(first.data_key(field), buf.data_ptr(), total)], []
         n = len(locs)
