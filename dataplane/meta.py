@@ -59,7 +59,7 @@ class KVBatchMeta:
         if isinstance(self.keys, str):
             raise SchemaError("keys must be a sequence of str, not a single str")
         keys = tuple(self.keys)
-        bad = [k for k in keys if not isinstance(k, str)]
+        bad = [] if set(map(type, keys)) <= {str} else [k for k in keys if not isinstance(k, str)]
         if bad:
             raise SchemaError(f"keys must be str, got {type(bad[0]).__name__} ({bad[0]!r})")
         if len(set(keys)) != len(keys):
@@ -72,8 +72,8 @@ class KVBatchMeta:
         n = len(keys)
         lengths = _rows("sequence_lengths", self.sequence_lengths, n)
         if lengths is not None:
-            lengths = tuple(int(x) for x in lengths)
-            if any(x < 0 for x in lengths):
+            lengths = tuple(map(int, lengths))
+            if lengths and min(lengths) < 0:
                 raise InvalidArgument("sequence_lengths must be >= 0")
         tags = _rows("tags", self.tags, n)
         if tags is not None:

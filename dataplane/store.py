@@ -127,12 +127,8 @@ def _check_keys(keys: object, *, what: str = "keys") -> list[str]:
     if not out:
         raise InvalidArgument(f"{what} is empty; give at least one key")
     # C-level passes first (a get checks every key of the batch on every call); the loop names the bad key
-    if not (
-        all(type(k) is str for k in out)
-        and min(map(len, out)) > 0
-        and max(map(len, out)) <= MAX_KEY_LEN
-        and "".join(out).isprintable()
-    ):
+    lengths = set(map(len, out)) if set(map(type, out)) == {str} else None
+    if not (lengths is not None and min(lengths) > 0 and max(lengths) <= MAX_KEY_LEN and "".join(out).isprintable()):
         for k in out:
             if not isinstance(k, str):
                 raise SchemaError(
