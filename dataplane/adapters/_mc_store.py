@@ -344,7 +344,7 @@ class MooncakeStore(KVStore):
     ) -> tuple[Mapping[str, Column], Callable[[], Mapping[str, Column] | None]]:
         """Plan the read and hand the columns out before any byte moves; ``finish`` moves them. The
         client decodes meanwhile, while its caches are warm: right after a large transfer the same
-        Python work runs about 3x slower on a small VM.
+        Python work runs 3-5x slower on a small VM.
 
         A get of exactly the rows of the meta's put is planned from the meta alone, while the master
         answers the listing; ``finish`` checks the listing before reading, and resolves afresh (new
@@ -375,7 +375,7 @@ class MooncakeStore(KVStore):
         def finish() -> Mapping[str, Column] | None:
             try:
                 fill(deadline)
-            except Vanished:
+            except Vanished:  # a concurrent clear removed an object: resolve and read again
                 return self._get_checked(partition_id, part, keys, fields, hints, deadline)
             return None
 
