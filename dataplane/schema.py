@@ -95,6 +95,12 @@ class FieldSchema:
         """Bytes per row (dense) or per element of the leading dim (jagged; 1 for object bytes)."""
         return self.row_numel * self.dtype.itemsize
 
+    def view_rows(self, raw: torch.Tensor, rows: int) -> torch.Tensor:
+        """``raw`` (uint8, exactly ``rows`` times :attr:`row_nbytes`) as ``[rows, *inner_shape]`` of this
+        dtype, without a copy; one view when there is no inner shape (a get does this per field)."""
+        values = raw.view(self.dtype)
+        return values.view((rows, *self.inner_shape)) if self.inner_shape else values
+
     def describe(self) -> str:
         if self.kind == "object":
             return f"object[{self.codec}]"

@@ -126,7 +126,7 @@ class Reader:
             if not total:
                 return Column(schema, _empty(schema, rows), offsets), [], []
             buf = dst if dst is not None else self.pool.empty(total)
-            values = buf.view(schema.dtype).view((rows, *schema.inner_shape))
+            values = schema.view_rows(buf, rows)
             return Column(schema, values, offsets), [_Op(first.data_key(field), buf.data_ptr(), total)], []
         n = len(locs)
         runs: dict[str, list[tuple[int, int, int]]] = {}  # put_id -> [(dst, src, size)]
@@ -173,7 +173,7 @@ class Reader:
                 ops.append(_Op(key, stage.data_ptr(), nbytes))
                 gathers.append((buf.numpy(), stage.numpy(), prs))
         rows = n if offsets is None else int(offsets[-1])
-        values = buf.view(schema.dtype).view((rows, *schema.inner_shape)) if total else _empty(schema, rows)
+        values = schema.view_rows(buf, rows) if total else _empty(schema, rows)
         return Column(schema, values, offsets), ops, gathers
 
     def _run(self, ops: list[_Op], deadline: float) -> None:

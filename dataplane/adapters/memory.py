@@ -194,7 +194,7 @@ def _assemble(
             if slab is None or start is None
             else slab[start : start + nbytes[f]]
         )
-        values = raw.view(schema.dtype).view(rows[f], *schema.inner_shape)
+        values = schema.view_rows(raw, rows[f])
         at = 0
         for chunk, a, b in spans[f]:
             if b > a:

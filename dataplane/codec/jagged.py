@@ -68,7 +68,7 @@ def offsets_from_lengths(lengths: torch.Tensor | Sequence[int]) -> torch.Tensor:
 
 
 def lengths_of(offsets: torch.Tensor) -> torch.Tensor:
-    return offsets[1:] - offsets[:-1]
+    return torch.diff(offsets)  # one op where offsets[1:] - offsets[:-1] is three
 
 
 def pack(padded: torch.Tensor, lengths: torch.Tensor | Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
