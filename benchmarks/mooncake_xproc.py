@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import statistics
@@ -202,6 +203,23 @@ def _tq_phases(enabled: bool) -> tuple[list[str | None], str]:
     return [None, "mooncake", "simple"], ""
 
 
+def median_ci95(xs: list[float]) -> tuple[float, float]:
+    """Distribution-free 95% confidence interval of the median of ``xs``: the order statistics
+    ``s[j]``, ``s[n-1-j]`` with the largest ``j`` whose binomial(n, 1/2) tail P(X <= j) is at most
+    2.5%. Below 6 samples no pair reaches 95%: the full range is returned."""
+    s = sorted(xs)
+    n = len(s)
+    if not n:
+        raise ValueError("no samples")
+    j, cdf = -1, 0.0
+    while True:
+        nxt = cdf + math.comb(n, j + 1) / 2**n  # P(X <= j + 1)
+        if nxt > 0.025:
+            break
+        cdf, j = nxt, j + 1
+    return (s[0], s[-1]) if j < 0 else (s[j], s[n - 1 - j])
+
+
 def _stats(xs: list[float]) -> dict[str, float]:
     return {"median_s": statistics.median(xs), "min_s": min(xs), "max_s": max(xs), "n": len(xs)}
 
@@ -357,6 +375,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for op, xs in pairs.items():
             if xs:
                 ratios[f"{op}_ours_vs_raw_paired"] = statistics.median(xs)
+                low, high = median_ci95(xs)
+                cells.setdefault("paired_ci95", {})[op] = {"low": low, "high": high, "n": len(xs)}
         for phase, cell in cells.items():
             tq = f"tq_{phase}"
             if isinstance(cell, dict) and tq in cell:
@@ -405,7 +425,7 @@ def to_markdown(report: dict[str, Any]) -> str:
     ]
     for size, cells in report["results"].items():
         for phase, cell in cells.items():
-            if phase in ("bit_exact", "ratios", "core_codec"):
+            if phase in ("bit_exact", "ratios", "core_codec", "paired_ci95"):
                 continue
             for c, v in cell.items():
                 if not isinstance(v, dict):
@@ -419,6 +439,14 @@ def to_markdown(report: dict[str, Any]) -> str:
         for k, v in cells["ratios"].items():
             lines.append(f"| {size} | {k} | **{v:.2f}** |")
     lines += [""]
+    for size, cells in report["results"].items():
+        ci = cells.get("paired_ci95", {})
+        if ci:
+            lines.append(
+                f"- {size}: 95% confidence interval of the paired median (raw/ours, distribution-free): "
+                + ", ".join(f"{op} {v['low']:.2f}–{v['high']:.2f} (n={v['n']})" for op, v in ci.items())
+                + "."
+            )
     for size, cells in report["results"].items():
         cc = cells["core_codec"]
         lines.append(

@@ -86,3 +86,16 @@ def test_reader_processes_get_the_batch(tmp_path: Path) -> None:
     assert report["backends"] == {"mooncake": "ok"}, report
     (r,) = report["results"]
     assert r["readers"] == 2 and r["get_gbps"] > 0
+
+
+def test_median_confidence_interval_is_the_binomial_order_statistics() -> None:
+    from benchmarks.mooncake_xproc import median_ci95
+
+    xs = [float(i) for i in range(100)]
+    low, high = median_ci95(list(reversed(xs)))  # order does not matter
+    # Bin(100, 1/2): P(X <= 39) = 0.0176 <= 2.5% < P(X <= 40) = 0.0284, so ranks 39 and 60 (0-based)
+    assert (low, high) == (39.0, 60.0)
+    assert median_ci95([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]) == (1.0, 6.0)  # n = 6: P(X <= 0) = 1/64
+    assert median_ci95([3.0, 1.0, 2.0]) == (1.0, 3.0)  # too few for 95%: the full range
+    with pytest.raises(ValueError):
+        median_ci95([])
