@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
 
-__all__ = ["BufferPool", "default_pool"]
+__all__ = ["SHARED_MIN", "BufferPool", "default_pool"]
 
 _MIN_POOLED = 1 << 20
+SHARED_MIN = 1 << 20  # entries this large share a carved buffer (see BufferPool.carve)
+_ALIGN = 64  # byte alignment of each slice of it
 
 
 def _size_class(nbytes: int) -> int:
@@ -74,6 +76,21 @@ class BufferPool:
         lent = slab[:nbytes]
         weakref.finalize(lent, self._give_back, size, slab)
         return torch.from_numpy(lent)
+
+    def carve(self, nbytes: Mapping[str, int]) -> dict[str, torch.Tensor]:
+        """Slices of one buffer (uint8, 64-byte aligned) for the entries of ``nbytes`` of
+        :data:`SHARED_MIN` bytes or more: one allocation and one run of huge pages for a batch's large
+        fields instead of one each, returned to the pool when the last slice is gone. Smaller entries
+        get no slice, so a kept small field (a ``[B]`` reward) never pins the batch."""
+        big = {name: n for name, n in nbytes.items() if n >= SHARED_MIN}
+        if not big:
+            return {}
+        slab = self.empty(sum(-(-n // _ALIGN) * _ALIGN for n in big.values()))
+        out, at = {}, 0
+        for name, n in big.items():
+            out[name] = slab[at : at + n]
+            at += -(-n // _ALIGN) * _ALIGN
+        return out
 
     def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised tensor of ``shape`` and ``dtype`` backed by the pool."""

@@ -101,3 +101,22 @@ def test_buffer_pool_reuses_slabs_only_after_release() -> None:
     big = pool.empty(100 << 20)  # over the budget: a plain allocation
     assert big.numel() == 100 << 20 and len(new) == 2
     pool.close()
+
+
+def test_buffer_pool_carves_large_entries_from_one_slab() -> None:
+    new: list[int] = []
+    pool = BufferPool(64 << 20, on_new=lambda s: new.append(s.nbytes))
+    carved = pool.carve({"ids": (2 << 20) + 3, "logp": 1 << 20, "reward": 1024})
+    assert set(carved) == {"ids", "logp"} and len(new) == 1  # the small one gets no slice
+    ids, logp = carved.pop("ids"), carved.pop("logp")
+    assert ids.numel() == (2 << 20) + 3 and logp.numel() == 1 << 20
+    assert logp.data_ptr() - ids.data_ptr() == (2 << 20) + 64  # next 64-byte boundary, no overlap
+    slab = ids.data_ptr()
+    del ids
+    gc.collect()
+    assert pool.carve({"x": 1 << 20, "y": 2 << 20})["x"].data_ptr() != slab  # logp still holds the slab
+    del logp
+    gc.collect()
+    again = pool.carve({"ids": (2 << 20) + 3, "logp": 1 << 20})
+    assert again["ids"].data_ptr() == slab and pool.carve({"r": 10}) == {}
+    pool.close()

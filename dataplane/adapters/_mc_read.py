@@ -33,9 +33,6 @@ _PIECE_S = 150e-6
 _NET_BPS = 1.2e9
 _COPY_BPS = 8e9
 
-_SHARED_MIN = 1 << 20  # whole-object reads this large share one result buffer
-_ALIGN = 64  # byte alignment of each field in it
-
 
 class Vanished(Exception):
     """A listed object was removed before it was read (a concurrent clear): resolve again."""
@@ -77,7 +74,8 @@ class Reader:
         ops: list[_Op] = []
         gathers: list[_Gather] = []
         offsets: dict[int, torch.Tensor] = {}  # one tensor per shared offsets array (one ragged dim)
-        slices = self._shared_slab(resolved)
+        # whole-object reads of 1 MiB or more land in one pooled (registered) buffer
+        slices = self.pool.carve({f: r.whole.fields[f].nbytes for f, r in resolved.items() if r.whole is not None})
         for field, res in resolved.items():
             col, field_ops, field_gathers = self._plan_field(field, res, offsets, slices.get(field))
             out[field] = col
@@ -91,22 +89,6 @@ class Reader:
                     dst[d : d + n] = stage[src : src + n]
 
         return out, fill
-
-    def _shared_slab(self, resolved: Mapping[str, Resolved]) -> dict[str, torch.Tensor]:
-        """Slices of one pooled buffer for the whole-object reads of 1 MiB or more: one allocation and
-        one registered destination for the batch (it returns to the pool when the last of them is
-        gone); smaller fields get their own, so a kept ``[B]`` reward never pins the batch."""
-        starts: dict[str, tuple[int, int]] = {}
-        total = 0
-        for field, res in resolved.items():
-            nbytes = res.whole.fields[field].nbytes if res.whole is not None else 0
-            if nbytes >= _SHARED_MIN:
-                starts[field] = (total, nbytes)
-                total += -(-nbytes // _ALIGN) * _ALIGN
-        if len(starts) < 2:
-            return {}
-        slab = self.pool.empty(total)
-        return {field: slab[at : at + n] for field, (at, n) in starts.items()}
 
     def _plan_field(
         self, field: str, res: Resolved, shared: dict[int, torch.Tensor], dst: torch.Tensor | None

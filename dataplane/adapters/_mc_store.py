@@ -354,25 +354,17 @@ class MooncakeStore(KVStore):
         part = self._part(partition_id)
         hints = self._hints(partition_id, meta, part)
         hinted = self._whole_put(keys, fields, hints)
-        if hinted is not None:
-            cols, fill = self.reader.plan({f: Resolved(hinted.fields[f].schema, [], whole=hinted) for f in fields})
-
-            def finish_hinted() -> Mapping[str, Column] | None:
-                lines = listing()
-                if not self._only_put(partition_id, part, hinted, lines):  # the store changed since
-                    return self._get_checked(partition_id, part, keys, fields, hints, deadline, lines)
-                try:
-                    fill(deadline)
-                except Vanished:  # a concurrent clear removed an object: resolve and read again
-                    return self._get_checked(partition_id, part, keys, fields, hints, deadline)
-                return None
-
-            return cols, finish_hinted
-        lines = listing()
-        resolved = self._resolve(partition_id, part, keys, fields, hints, lines, deadline)
+        if hinted is not None:  # planned now; the listing is checked in finish, just before reading
+            resolved = {f: Resolved(hinted.fields[f].schema, [], whole=hinted) for f in fields}
+        else:
+            resolved = self._resolve(partition_id, part, keys, fields, hints, listing(), deadline)
         cols, fill = self.reader.plan(resolved)
 
         def finish() -> Mapping[str, Column] | None:
+            if hinted is not None:
+                lines = listing()
+                if not self._only_put(partition_id, part, hinted, lines):  # the store changed since that put
+                    return self._get_checked(partition_id, part, keys, fields, hints, deadline, lines)
             try:
                 fill(deadline)
             except Vanished:  # a concurrent clear removed an object: resolve and read again

@@ -311,19 +311,19 @@ class TQOps:
             for f, p in zip(fields, packs, strict=True):
                 sources[f].append(parsed[p])
         n = len(keys)
-        try:
-            return {f: column_of(f, known[f], n, sources[f]) for f in fields}
-        except StaleSchema as e:
-            if not trusted:
-                raise SchemaError(f"{e}; the partition was probably written by something other than dataplane") from e
-        # the meta's schemas are stale (the partition was cleared and re-written since): read them
-        known = decode_schemas((await self._retrieve(pid, skeys)).custom_meta)
-        if any(f not in known for f in fields):
-            raise _missing_fields(pid, keys, [f for f in fields if f not in known], [], known)
-        try:
-            return {f: column_of(f, known[f], n, sources[f]) for f in fields}
-        except StaleSchema as e:
-            raise SchemaError(f"{e}; the partition was probably written by something other than dataplane") from e
+        while True:
+            try:
+                return {f: column_of(f, known[f], n, sources[f]) for f in fields}
+            except StaleSchema as e:
+                if not trusted:
+                    raise SchemaError(
+                        f"{e}; the partition was probably written by something other than dataplane"
+                    ) from e
+            # the meta's schemas are stale (the partition was cleared and re-written since): read them, once
+            trusted = False
+            known = decode_schemas((await self._retrieve(pid, skeys)).custom_meta)
+            if any(f not in known for f in fields):
+                raise _missing_fields(pid, keys, [f for f in fields if f not in known], [], known)
 
     async def _read_rows(self, gis: list[int], packs: list[str]) -> dict[str, list[Any]]:
         """Each pack's blob of each row, in the order of ``gis``, from the units that hold them."""

@@ -207,7 +207,7 @@ def column_of(field: str, schema: FieldSchema, num_rows: int, sources: Sequence[
     total = int(offsets[-1])  # rows of the values tensor (num_rows for a dense field)
     out = default_pool().empty(total * unit)
     np.concatenate(pieces, out=out.numpy())  # type: ignore[arg-type]
-    values = (out if schema.dtype is torch.uint8 else out.view(schema.dtype)).view(total, *schema.inner_shape)
+    values = schema.view_rows(out, total)
     if schema.kind == "dense":
         return Column(schema, values)
     return Column(schema, values, offsets)

@@ -151,9 +151,6 @@ def _block_runs(refs: list[_Ref]) -> list[tuple[_Block, int, int]]:
     return runs
 
 
-_ALIGN = 64  # byte alignment of each field inside a get's shared result buffer
-_SHARED_MIN = 1 << 20  # fields this large share it; a small one (a [B] reward) never holds it alive
-
 Span = tuple[_Chunk, int, int]  # leading-dim rows a..b (exclusive) of a chunk's buffer
 
 
@@ -171,30 +168,19 @@ def _assemble(
     schemas: Mapping[str, FieldSchema], runs: Mapping[str, list[Run]], fields: Sequence[str]
 ) -> dict[str, Column]:
     """Copy each field's runs back to back into memory the caller owns: fields of 1 MiB or more
-    share one pooled buffer (one allocation and one run of huge pages instead of one per field; it
-    returns to the pool when the last of them is gone), smaller ones get their own. Fields whose
+    share one pooled buffer (:meth:`BufferPool.carve`), smaller ones get their own. Fields whose
     runs cover the same rows of one stored offsets tensor share one offsets tensor, hence one ragged
     dim."""
     spans = {f: _spans(schemas[f], runs[f]) for f in fields}
     rows = {f: sum(b - a for _, a, b in spans[f]) for f in fields}
     nbytes = {f: rows[f] * schemas[f].row_nbytes for f in fields}
-    starts, total = {}, 0
-    for f in fields:
-        if nbytes[f] >= _SHARED_MIN:
-            starts[f] = total
-            total += -(-nbytes[f] // _ALIGN) * _ALIGN
-    slab = default_pool().empty(total) if total else None
+    carved = default_pool().carve(nbytes)
     layouts: dict[tuple[Any, ...], torch.Tensor] = {}
     out: dict[str, Column] = {}
     for f in fields:
         schema = schemas[f]
-        start = starts.get(f)
-        raw = (
-            torch.empty(nbytes[f], dtype=torch.uint8)
-            if slab is None or start is None
-            else slab[start : start + nbytes[f]]
-        )
-        values = schema.view_rows(raw, rows[f])
+        raw = carved.get(f)
+        values = schema.view_rows(torch.empty(nbytes[f], dtype=torch.uint8) if raw is None else raw, rows[f])
         at = 0
         for chunk, a, b in spans[f]:
             if b > a:
