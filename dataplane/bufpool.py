@@ -6,7 +6,9 @@ goes back to the pool only when the tensor it was lent as, and every view of it,
 caller owns what it gets exactly as if it were ``torch.empty``.
 
 Adapters that must register memory with a transport (Mooncake, RDMA) pass ``on_new``/``on_drop``
-so each slab is registered once, when created, and unregistered when the pool drops it.
+so each slab is registered once, when created, and unregistered when the pool drops it. Adapters
+whose transport reaches only memory it hands out (Mooncake's shared-memory client) also pass
+``alloc``: then every buffer, pooled or not, comes from it, and ``on_drop`` gives it back.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ class BufferPool:
         min_bytes: requests smaller than this bypass the pool (malloc is fast for them).
         on_new: called with each new slab (a uint8 numpy array) before first use, e.g. to register it.
         on_drop: called with a slab the pool lets go of.
+        alloc: makes the memory of every buffer (``nbytes`` -> uint8 numpy array) instead of
+            ``np.empty``; buffers beyond ``max_bytes`` or under ``min_bytes`` come from it too and
+            go to ``on_drop`` when their tensor dies.
     """
 
     def __init__(
@@ -49,11 +54,13 @@ class BufferPool:
         min_bytes: int = _MIN_POOLED,
         on_new: Callable[[np.ndarray], None] | None = None,
         on_drop: Callable[[np.ndarray], None] | None = None,
+        alloc: Callable[[int], np.ndarray] | None = None,
     ) -> None:
         self.max_bytes = max_bytes
         self.min_bytes = min_bytes
         self._on_new = on_new
         self._on_drop = on_drop
+        self._alloc = alloc
         self._lock = threading.RLock()
         self._idle: dict[int, list[np.ndarray]] = {}
         self._total = 0
@@ -68,13 +75,22 @@ class BufferPool:
     def empty(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of ``nbytes`` (contents undefined), reusing an idle slab when one fits."""
         if nbytes < self.min_bytes or self._closed:
-            return torch.empty(nbytes, dtype=torch.uint8)
+            return self._unpooled(nbytes)
         size = _size_class(nbytes)
         slab = self._take(size)
         if slab is None:
-            return torch.empty(nbytes, dtype=torch.uint8)
+            return self._unpooled(nbytes)
         lent = slab[:nbytes]
         weakref.finalize(lent, self._give_back, size, slab)
+        return torch.from_numpy(lent)
+
+    def _unpooled(self, nbytes: int) -> torch.Tensor:
+        if self._alloc is None or self._closed:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        raw = self._alloc(max(nbytes, 1))
+        lent = raw[:nbytes]
+        if self._on_drop is not None:
+            weakref.finalize(lent, self._on_drop, raw)
         return torch.from_numpy(lent)
 
     def carve(self, nbytes: Mapping[str, int]) -> dict[str, torch.Tensor]:
@@ -112,7 +128,12 @@ class BufferPool:
             if self._total + size > self.max_bytes:
                 return None
             self._total += size
-        slab = np.empty(size, dtype=np.uint8)
+        try:
+            slab = np.empty(size, dtype=np.uint8) if self._alloc is None else self._alloc(size)
+        except BaseException:
+            with self._lock:
+                self._total -= size
+            raise
         if self._on_new is not None:
             try:
                 self._on_new(slab)

@@ -52,11 +52,12 @@ def test_url_options() -> None:
 
 
 # -- one deployment for the rest of the module ----------------------------------------------------
-@pytest.fixture(scope="module")
-def owner() -> Iterator[StoreClient]:
+@pytest.fixture(scope="module", params=[True, False], ids=["shm", "tcp"])
+def owner(request: pytest.FixtureRequest) -> Iterator[StoreClient]:
+    """A ``mooncake://local`` deployment, its clients attached through shared memory or over TCP."""
     if not HAVE_MOONCAKE:
         pytest.skip("Mooncake is not installed")
-    c = dataplane.connect("mooncake://local?segment_bytes=256MiB&timeout_s=60")
+    c = dataplane.connect(f"mooncake://local?segment_bytes=256MiB&timeout_s=60&shm={request.param}")
     assert isinstance(c, StoreClient)
     yield c
     c.close()
@@ -194,11 +195,17 @@ class TestMooncakeAdapter:
         try:
             got = other.kv_batch_get(meta, select_fields="x")["x"]
             assert bit_exact(got, values)
-            assert other.store.handle.covers(got.data_ptr(), got.numel() * 4)  # type: ignore[attr-defined]
+            handle = other.store.handle  # type: ignore[attr-defined]
+            if handle.shm is None:
+                assert handle.covers(got.data_ptr(), got.numel() * 4)
+            else:  # the real client wrote it straight into this client's shared memory
+                assert any(
+                    b <= got.data_ptr() and got.data_ptr() + got.numel() * 4 <= b + n for b, n in handle.shm.spans()
+                )
         finally:
             owner.kv_clear(partition_id="zc")
 
-    def test_small_subset_uses_ranged_reads(
+    def test_small_subset_uses_ranged_reads_over_tcp(
         self, owner: StoreClient, other: StoreClient, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         rows = [torch.randint(0, 1000, (int(n),)) for n in torch.randint(1000, 5000, (64,))]
@@ -208,7 +215,8 @@ class TestMooncakeAdapter:
         try:
             pick = [40, 3, 4, 5, 60]
             out = other.kv_batch_get([keys[i] for i in pick], partition_id="rng", select_fields=["ids", "x"])
-            assert spy.calls["get_ranges"] == 1
+            # a shared-memory client has no ranged reads: it reads whole objects and gathers
+            assert spy.calls["get_ranges"] == (other.store.handle.shm is None)  # type: ignore[attr-defined]
             assert all(bit_exact(a, rows[i]) for a, i in zip(out["ids"].unbind(), pick, strict=True))
             full = other.kv_batch_get(list(reversed(keys)), partition_id="rng", select_fields=["ids"])
             assert all(bit_exact(a, b) for a, b in zip(full["ids"].unbind(), reversed(rows), strict=True))

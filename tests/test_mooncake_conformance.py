@@ -1,7 +1,8 @@
 """The shipped conformance suite and state machine on ``mooncake://local`` (real Mooncake processes).
 
-One deployment per module: a ``mooncake://local`` owner starts the master and a store server; every
-client the suite makes joins it through ``join_url`` (a real second Mooncake client each time).
+One deployment per mode: a ``mooncake://local`` owner starts the master and a store server (a real
+client reached through shared memory, or a plain one reached over TCP); every client the suite
+makes joins it through ``join_url`` (a real second Mooncake client each time).
 """
 
 from __future__ import annotations
@@ -25,39 +26,59 @@ pytestmark = [
     ),
 ]
 
-_OWNER: list[Any] = []
-_SHARED: list[DataPlaneClient] = []
+_OWNERS: dict[bool, Any] = {}  # shm -> the mooncake://local owner of that mode
+_SHARED: dict[bool, DataPlaneClient] = {}
+_CURRENT: list[bool] = []  # the mode whose deployment the conformance class runs on now
+
+
+def _owner(shm: bool) -> Any:
+    if shm not in _OWNERS:
+        _OWNERS[shm] = dataplane.connect(f"mooncake://local?segment_bytes=512MiB&timeout_s=120&shm={shm}")
+    return _OWNERS[shm]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def deployment() -> Iterator[Any]:
-    owner = dataplane.connect("mooncake://local?segment_bytes=512MiB&timeout_s=120")
-    _OWNER.append(owner)
-    yield owner
-    for c in _SHARED:
+def _stop_deployments() -> Iterator[None]:
+    yield
+    for c in (*_SHARED.values(), *_OWNERS.values()):
         c.close()
     _SHARED.clear()
-    _OWNER.clear()
-    owner.close()
+    _OWNERS.clear()
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["shm", "tcp"])
+def deployment(request: pytest.FixtureRequest) -> Iterator[Any]:
+    _CURRENT[:] = [request.param]
+    yield _owner(request.param)
+    _CURRENT.clear()
 
 
 def _join(**options: Any) -> DataPlaneClient:
-    assert _OWNER, "the module's deployment fixture did not run"
-    return dataplane.connect(_OWNER[0].store.join_url, **options)
+    assert _CURRENT, "the deployment fixture did not run"
+    return dataplane.connect(_owner(_CURRENT[0]).store.join_url, **options)
 
 
 class TestMooncakeConformance(ClientConformance):
+    @pytest.fixture(scope="class")
+    def client(self, deployment: Any) -> Iterator[DataPlaneClient]:  # one per deployment (mode)
+        c = self.make_client()
+        yield c
+        c.close()
+
     def make_client(self, **options: Any) -> DataPlaneClient:
         return _join(**options)
 
 
-def _shared() -> DataPlaneClient:
-    if not _SHARED:
-        _SHARED.append(_join())
-    return _SHARED[0]
+def _shared(shm: bool) -> DataPlaneClient:
+    if shm not in _SHARED:
+        _SHARED[shm] = dataplane.connect(_owner(shm).store.join_url)
+    return _SHARED[shm]
 
 
-TestMooncakeStateMachine = make_state_machine(_shared).TestCase
-TestMooncakeStateMachine.settings = settings(
+_SETTINGS = settings(
     max_examples=40, stateful_step_count=20, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True
 )
+TestMooncakeStateMachineShm = make_state_machine(lambda: _shared(True)).TestCase
+TestMooncakeStateMachineShm.settings = _SETTINGS
+TestMooncakeStateMachineTcp = make_state_machine(lambda: _shared(False)).TestCase
+TestMooncakeStateMachineTcp.settings = _SETTINGS

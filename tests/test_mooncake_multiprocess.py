@@ -84,9 +84,9 @@ def _run(target: Any, *args: Any, timeout: float = 120) -> Any:
         assert proc.exitcode == 0, f"{target.__name__} exited with {proc.exitcode}"
 
 
-@pytest.fixture(scope="module")
-def owner() -> Iterator[StoreClient]:
-    c = dataplane.connect("mooncake://local?segment_bytes=128MiB")
+@pytest.fixture(scope="module", params=[True, False], ids=["shm", "tcp"])
+def owner(request: pytest.FixtureRequest) -> Iterator[StoreClient]:
+    c = dataplane.connect(f"mooncake://local?segment_bytes=128MiB&shm={request.param}")
     assert isinstance(c, StoreClient)
     yield c
     c.close()
@@ -142,8 +142,9 @@ def _get_with_deadline(client: Any, meta: Any, seconds: float) -> tuple[BaseExce
     return box[0], time.monotonic() - t0
 
 
-def test_killed_store_server_gives_typed_errors_in_bounded_time() -> None:
-    c = dataplane.connect("mooncake://local?segment_bytes=64MiB&client_ttl_s=2&timeout_s=20")
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "tcp"])
+def test_killed_store_server_gives_typed_errors_in_bounded_time(shm: bool) -> None:
+    c = dataplane.connect(f"mooncake://local?segment_bytes=64MiB&client_ttl_s=2&timeout_s=20&shm={shm}")
     try:
         keys, fields = _batch(5)
         meta = c.kv_batch_put(keys, fields, partition_id="doomed")
@@ -179,15 +180,16 @@ def test_close_leaves_no_process_and_deployments_do_not_interfere() -> None:
     assert not any(_pid_alive(p) for p in pids_b)
 
 
-def _owner_then_sleep(conn: Connection) -> None:
-    c = dataplane.connect("mooncake://local?segment_bytes=64MiB")
+def _owner_then_sleep(conn: Connection, shm: bool) -> None:
+    c = dataplane.connect(f"mooncake://local?segment_bytes=64MiB&shm={shm}")
     conn.send(c.store.deployment.pids)  # type: ignore[attr-defined]
     time.sleep(600)  # killed by the test
 
 
-def test_services_die_with_their_owner() -> None:
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "tcp"])
+def test_services_die_with_their_owner(shm: bool) -> None:
     parent, child = CTX.Pipe()
-    proc = CTX.Process(target=_owner_then_sleep, args=(child,))
+    proc = CTX.Process(target=_owner_then_sleep, args=(child, shm))
     proc.start()
     assert parent.poll(120), "owner process did not start its deployment"
     pids = parent.recv()

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from dataplane.adapters._mc_shm import CHUNK, ShmArenas
 from dataplane.errors import (
     BackendUnavailable,
     CapacityExceeded,
@@ -99,7 +100,12 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class StoreHandle:
-    """One ``MooncakeDistributedStore``, set up, guarded, with registered-buffer bookkeeping."""
+    """One ``MooncakeDistributedStore``, set up, guarded, with registered-buffer bookkeeping.
+
+    With ``real_client`` (``HOST:PORT`` of a ``mooncake_client`` on this host) the store attaches to
+    it (``setup_dummy``) and moves data through shared memory: every buffer then comes from
+    :attr:`shm`, and ``segment_bytes``, ``protocol`` and the addresses are the real client's business.
+    """
 
     def __init__(
         self,
@@ -111,6 +117,7 @@ class StoreHandle:
         protocol: str,
         rdma_devices: str,
         metadata_server: str = "P2PHANDSHAKE",
+        real_client: str | None = None,
     ) -> None:
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
@@ -120,16 +127,26 @@ class StoreHandle:
         self._closed = False
         self._fork_note = ""
         self._registered: dict[int, int] = {}  # ptr -> size
+        self.shm: ShmArenas | None = None
         store = MooncakeDistributedStore()
-        rc = store.setup(
-            local_hostname,
-            metadata_server,
-            int(segment_bytes),
-            int(local_buffer_bytes),
-            protocol,
-            rdma_devices,
-            master_address,
-        )
+        if real_client is not None:
+            rc = store.setup_dummy(CHUNK, int(local_buffer_bytes), real_client)
+            if rc != 0:
+                raise BackendUnavailable(
+                    f"could not attach to the Mooncake real client at {real_client} (rc={rc}); it must run on this "
+                    "host (mooncake_client --port=PORT), or leave real_client unset to reach the store over the network"
+                )
+            self.shm = ShmArenas(store.alloc_from_mem_pool, self._register_span, store.unregister_buffer)
+        else:
+            rc = store.setup(
+                local_hostname,
+                metadata_server,
+                int(segment_bytes),
+                int(local_buffer_bytes),
+                protocol,
+                rdma_devices,
+                master_address,
+            )
         if rc != 0:
             raise BackendUnavailable(
                 f"Mooncake client setup failed (rc={rc}) for master {master_address} as {local_hostname!r} "
@@ -139,7 +156,7 @@ class StoreHandle:
         cfg = ReplicateConfig()
         cfg.with_hard_pin = True  # backpressure (-200) instead of silent eviction at 90 % full
         self.put_config = cfg
-        self.hostname = str(store.get_hostname())
+        self.hostname = str(store.get_hostname()) or f"shm:{real_client}"
         _HANDLES.add(self)
 
     # -- guard ----------------------------------------------------------------------------------
@@ -192,6 +209,8 @@ class StoreHandle:
             store, self._store = self._store, None
         if store is None or os.getpid() != self._pid:
             return
+        if self.shm is not None:
+            self.shm.release()
         for ptr in list(self._registered):
             store.unregister_buffer(ptr)
         self._registered.clear()
@@ -201,15 +220,19 @@ class StoreHandle:
     def register(self, arr: np.ndarray) -> None:
         """BufferPool ``on_new`` hook: register a slab once for zero-copy transfers."""
         ptr = int(arr.ctypes.data)
-        with self._enter() as st:
-            rc = st.register_buffer(ptr, int(arr.nbytes))
-        if rc != 0:
-            raise error_for(rc, f"register_buffer of {arr.nbytes} bytes")
+        self._register_span(ptr, int(arr.nbytes))
         self._registered[ptr] = int(arr.nbytes)
 
+    def _register_span(self, ptr: int, nbytes: int) -> None:
+        with self._enter() as st:
+            rc = st.register_buffer(ptr, nbytes)
+        if rc != 0:
+            raise error_for(rc, f"register_buffer of {nbytes} bytes")
+
     def covers(self, ptr: int, nbytes: int) -> bool:
-        """Whether ``[ptr, ptr + nbytes)`` lies in one registered buffer (ranged reads need that)."""
-        return any(p <= ptr and ptr + nbytes <= p + n for p, n in list(self._registered.items()))
+        """Whether ``[ptr, ptr + nbytes)`` lies in one registered buffer (ranged reads need that; a
+        shared-memory client has no ranged reads)."""
+        return self.shm is None and any(p <= ptr and ptr + nbytes <= p + n for p, n in list(self._registered.items()))
 
     def unregister(self, arr: np.ndarray) -> None:
         """BufferPool ``on_drop`` hook; a no-op once the store is closed (closing unregisters all)."""

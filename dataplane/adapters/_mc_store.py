@@ -118,13 +118,18 @@ class MooncakeStore(KVStore):
         self.admin = admin
         self.ns = ns
         self.writer = writer
-        self._stage_puts = protocol != "tcp"  # RDMA reads only registered memory: copy into the pool
-        self.pool = BufferPool(
-            pool_bytes,
-            min_bytes=(64 << 10) if protocol == "tcp" else 1,  # TCP reads whole objects into unregistered memory too
-            on_new=handle.register,
-            on_drop=handle.unregister,
-        )
+        # RDMA reads only registered memory, a shared-memory client only its shared memory: puts are
+        # copied into the pool. TCP reads whole objects into unregistered memory too.
+        self._stage_puts = protocol != "tcp" or handle.shm is not None
+        if handle.shm is not None:
+            self.pool = BufferPool(pool_bytes, min_bytes=1, alloc=handle.shm.alloc, on_drop=handle.shm.free)
+        else:
+            self.pool = BufferPool(
+                pool_bytes,
+                min_bytes=1 if self._stage_puts else 64 << 10,
+                on_new=handle.register,
+                on_drop=handle.unregister,
+            )
         self.reader = Reader(handle, self.pool)
         self.deployment: Any = None  # the LocalDeployment a mooncake://local client owns
         self.master_address = ""
@@ -185,7 +190,7 @@ class MooncakeStore(KVStore):
         return part.state
 
     def _read_indexes(self, unread: list[tuple[str, str, int]], deadline: float) -> dict[str, PutIndex]:
-        buf = np.empty(max(1, sum(size for _, _, size in unread)), dtype=np.uint8)
+        buf = self.pool.empty(max(1, sum(size for _, _, size in unread))).numpy()
         base, at, ptrs = int(buf.ctypes.data), 0, []
         for _, _, size in unread:
             ptrs.append(base + at)
@@ -288,7 +293,7 @@ class MooncakeStore(KVStore):
         return plan
 
     def _put_checked(self, part: _Part, partition_id: str, plan: _PlannedPut, deadline: float) -> dict[str, Any]:
-        index_buf = np.frombuffer(plan.body, dtype=np.uint8)
+        index_buf = self._source(plan.body)
         self._write(
             [*plan.obj_keys, plan.index_key],
             [*plan.ptrs, int(index_buf.ctypes.data)],
@@ -301,6 +306,14 @@ class MooncakeStore(KVStore):
         with part.lock:
             part.known[plan.put_id] = plan.index
         return {HINT_KEY: {plan.index_key: plan.body}}
+
+    def _source(self, body: bytes) -> np.ndarray:
+        """``body`` as memory a put can read (copied into the pool when puts are staged)."""
+        if not self._stage_puts:
+            return np.frombuffer(body, dtype=np.uint8)
+        buf = self.pool.empty(len(body)).numpy()
+        buf[:] = np.frombuffer(body, dtype=np.uint8)
+        return buf
 
     def _write(self, keys: list[str], ptrs: list[int], sizes: list[int], partition_id: str, deadline: float) -> None:
         """All-or-nothing hard-pinned upsert; retries transfer/RPC failures (a dead server's segment)."""
@@ -497,7 +510,7 @@ class MooncakeStore(KVStore):
                 put_id = new_put_id(self.writer)
                 body = encode_index(doomed, {}, None, op="del")
                 key = f"{index_prefix(self.ns, partition_id)}{put_id}.{len(body)}"
-                buf = np.frombuffer(body, dtype=np.uint8)
+                buf = self._source(body)
                 try:
                     self._write([key], [int(buf.ctypes.data)], [len(body)], partition_id, deadline)
                 except CapacityExceeded:  # a full store must still be clearable: free space, then retry
@@ -545,8 +558,9 @@ class MooncakeStore(KVStore):
         return out
 
     def close(self) -> None:
-        if self.deployment is not None:
-            self.deployment.server.request_stop()  # its 1-2 s unmount overlaps ours
+        if self.deployment is not None and self.handle.shm is None:
+            # its 1-2 s unmount overlaps ours (a shared-memory client must detach from it first)
+            self.deployment.server.request_stop()
         try:
             self.pool.close()
             self.handle.close()

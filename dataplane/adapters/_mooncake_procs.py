@@ -545,6 +545,7 @@ class StoreServerHandle(_ProcHandle):
     master_address: str
     segment_bytes: int
     segment_name: str = ""  # store.get_hostname(), e.g. "127.0.0.1:13776" (ReplicateConfig.preferred_segment)
+    rpc_address: str = ""  # a real client's (mooncake_client) service address: clients attach there
     log_path: str | None = None
     _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
@@ -682,6 +683,86 @@ def start_store_server(
     tail = h.tail_log(25)
     h.stop(timeout_s=5.0)
     raise RuntimeError(f"mooncake store server failed to start (master {addr}): {why}\n--- server log tail ---\n{tail}")
+
+
+def find_real_client_binary() -> str:
+    """Path of ``mooncake_client`` (a Mooncake "real client") shipped next to ``mooncake_master``."""
+    path = Path(find_master_binary()).with_name("mooncake_client")
+    if not os.access(path, os.X_OK):
+        raise RuntimeError(f"{path} is missing or not executable; reinstall mooncake-transfer-engine-non-cuda")
+    return str(path)
+
+
+def start_real_client(
+    master: MasterHandle,
+    *,
+    segment_bytes: int,
+    host: str = "127.0.0.1",
+    protocol: str = "tcp",
+    rdma_devices: str = "",
+    startup_timeout_s: float = 30.0,
+    settle_s: float = 0.3,
+    attempts: int = 3,
+) -> StoreServerHandle:
+    """Spawn ``mooncake_client``: a store server that lends ``segment_bytes`` to the pool and serves
+    clients of this host through shared memory (they attach to ``handle.rpc_address`` with
+    ``setup_dummy``; it listens on the abstract socket ``@mooncake_client_<port>.sock`` for their
+    memory, so deployments on distinct ports never meet). Ready means its RPC port accepts
+    connections and it is still alive ``settle_s`` later; PDEATHSIG stops it if we die."""
+    binary = find_real_client_binary()
+    if not master.alive():
+        raise RuntimeError(f"master {master.address} (pid {master.pid}) is not running")
+    why = ""
+    for _ in range(attempts):
+        ports, socks = reserve_ports(1, host)
+        port = ports[0]
+        argv = [
+            binary,
+            f"--master_server_address={master.address}",
+            "--metadata_server=P2PHANDSHAKE",
+            f"--host={host}",
+            f"--port={port}",
+            f"--global_segment_size={int(segment_bytes)}",
+            f"--protocol={protocol}",
+            f"--device_names={rdma_devices}",
+            f"--threads={max(1, min(os.cpu_count() or 1, 8))}",
+        ]
+        log_fd, log_path = tempfile.mkstemp(prefix="dataplane-mooncake-client-", suffix=".log")
+        try:
+            for sock in socks:
+                sock.close()
+            proc = _spawn(argv, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=subprocess.STDOUT, env=child_env())
+        except BaseException:
+            os.close(log_fd)
+            os.unlink(log_path)
+            raise
+        os.close(log_fd)
+        h = StoreServerHandle(
+            pid=proc.pid,
+            host=host,
+            master_address=master.address,
+            segment_bytes=int(segment_bytes),
+            rpc_address=f"{_url_host(host)}:{port}",
+            log_path=log_path,
+            _proc=proc,
+        )
+        _LIVE.add(h)
+        deadline = time.monotonic() + startup_timeout_s
+        while proc.poll() is None and time.monotonic() < deadline and not _tcp_connectable(host, port, 0.5):
+            time.sleep(0.05)
+        end = time.monotonic() + settle_s
+        while proc.poll() is None and time.monotonic() < end:
+            time.sleep(0.05)
+        if proc.poll() is None and _tcp_connectable(host, port, 2.0):
+            return h
+        why = (
+            f"exited rc={proc.returncode}"
+            if proc.poll() is not None
+            else f"port {port} not accepting connections within {startup_timeout_s:.0f}s"
+        )
+        why += f"\n--- mooncake_client log tail ---\n{h.tail_log(25)}"
+        h.stop(timeout_s=5.0)
+    raise RuntimeError(f"mooncake_client failed to start (master {master.address}): {why}")
 
 
 # ---------------------------------------------------------------------------------------------

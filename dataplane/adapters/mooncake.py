@@ -114,6 +114,11 @@ class MooncakeConfig:
         local_hostname: address announced to peers (default: the interface that routes to the master).
         pool_bytes: most bytes of registered buffers kept for reads.
         client_ttl_s: ``--client_ttl`` of a local master: how long a dead server's objects stay listed.
+        shm: ``mooncake://local`` only: run the store server as a Mooncake real client
+            (``mooncake_client``) and move data to and from it through shared memory (default);
+            false runs a plain store server reached over loopback TCP.
+        real_client: ``HOST:PORT`` of a real client on this host to attach to (shared memory)
+            instead of reaching the store servers over the network.
         timeout_s: bound on every call.
         pickle_fields: object fields that may use pickle (opt-in by name).
     """
@@ -130,6 +135,8 @@ class MooncakeConfig:
     local_hostname: str | None = None
     pool_bytes: int = 2 << 30
     client_ttl_s: int = 10
+    shm: bool = True
+    real_client: str | None = None
     timeout_s: float = 60.0
     pickle_fields: tuple[str, ...] = ()
 
@@ -144,6 +151,16 @@ class MooncakeConfig:
             raise InvalidArgument("mooncake://local needs segment_bytes > 0 for its store server")
         if self.timeout_s <= 0:
             raise InvalidArgument("timeout_s must be > 0")
+        if self.real_client is not None and (self.master is None or not re.fullmatch(r".+:[0-9]+", self.real_client)):
+            raise InvalidArgument(
+                f"real_client={self.real_client!r}: give HOST:PORT of a mooncake_client on this host, and join a "
+                "master (mooncake://HOST:PORT); mooncake://local starts its own (shm=true)"
+            )
+        if self.client_segment_bytes and (self.real_client is not None or (self.master is None and self.shm)):
+            raise InvalidArgument(
+                "a client attached to a real client (shared memory) lends no segment; drop client_segment_bytes, "
+                "or connect without real_client (mooncake://local?shm=false)"
+            )
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> MooncakeConfig:
@@ -162,6 +179,10 @@ class MooncakeConfig:
                 values[key] = int(raw)
             elif key == "timeout_s":
                 values[key] = float(raw)
+            elif key == "shm":
+                if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                    raise InvalidArgument(f"shm must be true or false, got {raw!r}")
+                values[key] = raw.lower() in ("1", "true", "yes")
             elif key == "pickle_fields":
                 values[key] = tuple(x for x in raw.split(",") if x)
             else:
@@ -237,9 +258,12 @@ def connect(url_or_config: str | MooncakeConfig | None = None, **options: Any) -
         except (RuntimeError, OSError) as e:
             raise BackendUnavailable(f"could not start mooncake_master: {e}") from e
         try:
-            server = procs.start_store_server(
-                master, segment_bytes=cfg.segment_bytes, launch="path", protocol=cfg.protocol
-            )
+            if cfg.shm:
+                server = procs.start_real_client(master, segment_bytes=cfg.segment_bytes, protocol=cfg.protocol)
+            else:
+                server = procs.start_store_server(
+                    master, segment_bytes=cfg.segment_bytes, launch="path", protocol=cfg.protocol
+                )
         except BaseException as e:
             master.stop()
             if isinstance(e, (RuntimeError, OSError)):
@@ -247,9 +271,11 @@ def connect(url_or_config: str | MooncakeConfig | None = None, **options: Any) -
             raise
         deployment = LocalDeployment(master, server)
         host, port, metrics = "127.0.0.1", master.rpc_port, master.metrics_port
+        real_client = server.rpc_address or None
     else:
         host, port = _split_host_port(cfg.master)
         metrics = cfg.metrics_port
+        real_client = cfg.real_client
         try:
             socket.create_connection((host, port), timeout=5.0).close()
         except OSError as e:
@@ -264,6 +290,7 @@ def connect(url_or_config: str | MooncakeConfig | None = None, **options: Any) -
             local_buffer_bytes=cfg.local_buffer_bytes,
             protocol=cfg.protocol,
             rdma_devices=cfg.rdma_devices,
+            real_client=real_client,
         )
     except BaseException:
         if deployment is not None:
@@ -275,6 +302,8 @@ def connect(url_or_config: str | MooncakeConfig | None = None, **options: Any) -
     store.deployment = deployment
     store.master_address = f"{host}:{port}"
     store.join_url = f"mooncake://{host}:{port}?metrics_port={metrics}&ns={cfg.ns}&protocol={cfg.protocol}"
+    if real_client is not None:
+        store.join_url += f"&real_client={real_client}"
     log.debug("dataplane: mooncake client %s in pid %d joined %s", handle.hostname, os.getpid(), store.master_address)
     return StoreClient(
         store,
