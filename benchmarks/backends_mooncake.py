@@ -2,12 +2,13 @@
 
 The raw ceiling moves the same bytes in the layout the adapter uses (one object per field, rows back
 to back) with ``batch_put_from`` / ``batch_get_into`` between registered buffers, from a client that
-lends no segment, into the same master and store server as the benchmark's client, so ours/raw
-isolates our layer.
+lends no segment, into the same master and store server as the benchmark's client, over the same
+path (shared memory with the real client, or TCP), so ours/raw isolates our layer.
 """
 
 from __future__ import annotations
 
+import ctypes
 import time
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 from benchmarks.base import BenchBackend
 from benchmarks.workload import Batch
 
-__all__ = ["BACKENDS", "RawMooncake", "field_buffers"]
+__all__ = ["BACKENDS", "RawMooncake", "field_buffers", "real_client_of"]
 
 SEGMENT_BYTES = 4 << 30  # ours and the raw ceiling's objects share the one store server
 
@@ -33,26 +34,41 @@ def field_buffers(batch: Batch) -> list[tuple[str, torch.Tensor]]:
 
 
 class RawMooncake:
-    """One Mooncake client (no segment) with a registered source and destination arena."""
+    """One Mooncake client (no segment) with a registered source and destination arena.
 
-    def __init__(self, master_address: str, arena_bytes: int) -> None:
+    With ``real_client`` it attaches to that real client (``setup_dummy``) as the adapter does, and
+    its arenas are shared memory from ``alloc_from_mem_pool``; otherwise it is a plain TCP client.
+    """
+
+    def __init__(self, master_address: str, arena_bytes: int, real_client: str | None = None) -> None:
         from dataplane.adapters._mooncake_procs import apply_client_env_defaults
 
         apply_client_env_defaults()
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
         self.store: Any = MooncakeDistributedStore()
-        rc = self.store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master_address)
+        if real_client:
+            rc = self.store.setup_dummy(arena_bytes, 16 << 20, real_client)
+        else:
+            rc = self.store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master_address)
         if rc != 0:
             raise RuntimeError(f"raw Mooncake setup failed: {rc}")
         self.cfg = ReplicateConfig()
         self.cfg.with_hard_pin = True
-        self.src = np.ones(arena_bytes, dtype=np.uint8)  # pre-faulted
-        self.dst = np.ones(arena_bytes, dtype=np.uint8)
+        self.src, self.dst = (self._arena(arena_bytes, bool(real_client)) for _ in range(2))
         for arr in (self.src, self.dst):
+            arr[:] = 1  # pre-faulted
             if self.store.register_buffer(arr.ctypes.data, arr.nbytes) != 0:
                 raise RuntimeError("register_buffer failed")
         self.sizes: list[int] = []
+
+    def _arena(self, nbytes: int, shm: bool) -> np.ndarray:
+        if not shm:
+            return np.empty(nbytes, dtype=np.uint8)
+        ptr = self.store.alloc_from_mem_pool(nbytes)
+        if not ptr:
+            raise RuntimeError("alloc_from_mem_pool failed")
+        return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
 
     def load(self, buffers: list[tuple[str, torch.Tensor]]) -> None:
         """Copy the batch into the registered source arena (untimed)."""
@@ -97,14 +113,20 @@ class RawMooncake:
 _RAW: dict[str, RawMooncake] = {}  # master address -> the raw client, reused across cases
 
 
-def _raw_client(master: str, nbytes: int) -> RawMooncake:
+def _raw_client(master: str, nbytes: int, real_client: str | None) -> RawMooncake:
     raw = _RAW.get(master)
     if raw is not None and raw.src.nbytes >= nbytes:
         return raw
     if raw is not None:
         raw.close()
-    raw = _RAW[master] = RawMooncake(master, max(nbytes, 64 << 20))
+    raw = _RAW[master] = RawMooncake(master, max(nbytes, 64 << 20), real_client)
     return raw
+
+
+def real_client_of(store: Any) -> str | None:
+    """The real client a ``mooncake://`` client moves data through (None: it uses TCP)."""
+    handle = store.handle
+    return None if handle.shm is None else handle.real_client
 
 
 def close_raw_clients() -> None:
@@ -117,7 +139,7 @@ def raw_seconds(batch: Batch, repeat: int, client: Any) -> tuple[list[float], li
     """Raw Mooncake against the benchmark client's own master and store server."""
     buffers = field_buffers(batch)
     total = sum(b.numel() for _, b in buffers)
-    raw = _raw_client(client.store.master_address, total)
+    raw = _raw_client(client.store.master_address, total, real_client_of(client.store))
     raw.load(buffers)
     puts, gets = [], []
     for i in range(repeat + 1):

@@ -30,7 +30,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 TIMEOUT_S = 600.0
 
 
-def _worker(role: str, conn: Connection, join_url: str, master: str, arena_bytes: int, n_fields: int) -> None:
+def _worker(
+    role: str, conn: Connection, join_url: str, master: str, real_client: str | None, arena_bytes: int, n_fields: int
+) -> None:
     import torch
 
     import dataplane
@@ -40,7 +42,7 @@ def _worker(role: str, conn: Connection, join_url: str, master: str, arena_bytes
 
     try:
         client = dataplane.connect(join_url, timeout_s=TIMEOUT_S)
-        raw = RawMooncake(master, arena_bytes)
+        raw = RawMooncake(master, arena_bytes, real_client)
     except BaseException as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
@@ -79,7 +81,6 @@ def _worker(role: str, conn: Connection, join_url: str, master: str, arena_bytes
 
     client.store.put = _timed("put", client.store.put)  # type: ignore[attr-defined]
     client.store.get_started = _timed_get(client.store.get_started)  # type: ignore[attr-defined]
-    loaded = -1
     conn.send(("ready", os.getpid()))
     try:
         while True:
@@ -121,11 +122,14 @@ def _worker(role: str, conn: Connection, join_url: str, master: str, arena_bytes
                     out = None
                 elif cmd in ("raw_put", "raw_get"):
                     size, tag = args
-                    if loaded != size:
-                        raw.load(field_buffers(batches[size]))
-                        loaded = size
                     keys = [f"rawx/{tag}/{name}" for name, _ in field_buffers(batches[size])]
-                    out = raw.put(keys) if cmd == "raw_put" else raw.get(keys)
+                    if cmd == "raw_put":  # (put s, s to copy the batch into its registered buffer first)
+                        t0 = time.perf_counter()
+                        raw.load(field_buffers(batches[size]))
+                        out = (raw.put(keys), time.perf_counter() - t0)
+                    else:
+                        raw.sizes = [b.numel() for _, b in field_buffers(batches[size])]
+                        out = raw.get(keys)
                     if cmd == "raw_get" and tag.endswith("-verify"):
                         n = sum(raw.sizes)
                         want_bytes = torch.cat([t for _, t in field_buffers(batches[size])]).numpy()
@@ -227,14 +231,15 @@ def _stats(xs: list[float]) -> dict[str, float]:
 def _rep(
     writer: _Proc, reader: _Proc, c: str, size: int, tag: str, verify: bool, tq_url: str | None
 ) -> tuple[float, float, bool, float | None, float | None]:
-    """One put by the writer and one get by the reader: (put s, get s, bit-exact, adapter put s, adapter get s)."""
+    """One put by the writer and one get by the reader: (put s, get s, bit-exact, adapter put s, adapter get s);
+    for raw, the fourth is the put plus copying the batch into its registered buffer first."""
     if c == "raw":
         tag += "-verify" if verify else ""
-        tp = writer.call("raw_put", size, tag)
+        tp, tp_copied = writer.call("raw_put", size, tag)
         res = reader.call("raw_get", size, tag)
         tg, ok = res if verify else (res, True)
         writer.call("raw_clear", size, tag)
-        return tp, tg, ok, None, None
+        return tp, tg, ok, tp_copied, None
     url = None if c == "ours" else tq_url
     pid = f"x-{c}-{tag}"
     tp, meta, tp_in = writer.call("put", size, pid, url)
@@ -265,22 +270,26 @@ def core_codec_seconds(size_mb: int, n_fields: int, repeat: int = 15) -> dict[st
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import dataplane
+    from benchmarks.backends_mooncake import real_client_of
     from benchmarks.put_get import machine_info
 
     load_before = os.getloadavg()
     arena = max(args.sizes) * MB * 2
-    owner = dataplane.connect(f"mooncake://local?segment_bytes={args.segment_gib}GiB", timeout_s=TIMEOUT_S)
+    owner = dataplane.connect(
+        f"mooncake://local?segment_bytes={args.segment_gib}GiB&shm={args.shm}", timeout_s=TIMEOUT_S
+    )
     ctx = mp.get_context("spawn")
     store = owner.store  # type: ignore[attr-defined]
+    real_client = real_client_of(store)
     procs: list[_Proc] = []
     notes: list[str] = []
     times: dict[str, dict[int, dict[str, dict[str, list[float]]]]] = {}  # phase -> size -> contender
     verified: dict[int, dict[str, bool]] = {}
     payloads: dict[int, int] = {}
     try:
-        writer = _Proc(ctx, "writer", store.join_url, store.master_address, arena, args.fields)
+        writer = _Proc(ctx, "writer", store.join_url, store.master_address, real_client, arena, args.fields)
         procs.append(writer)
-        reader = _Proc(ctx, "reader", store.join_url, store.master_address, arena, args.fields)
+        reader = _Proc(ctx, "reader", store.join_url, store.master_address, real_client, arena, args.fields)
         procs.append(reader)
         for size in args.sizes:
             payloads[size] = writer.call("batch", size, 0)
@@ -312,7 +321,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 contenders = ["ours", "raw"] + ([name] if name else [])
                 for size in args.sizes:
                     t = times.setdefault(tq_backend or "no-tq", {}).setdefault(size, {})
-                    for c in [*contenders, "ours_adapter"]:
+                    for c in [*contenders, "ours_adapter", "raw_copied"]:
                         t.setdefault(c, {"put": [], "get": []})
                     for rep in range(args.warmup + args.repeat):
                         order = contenders[rep % len(contenders) :] + contenders[: rep % len(contenders)]
@@ -328,6 +337,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 if c == "ours" and tp_in is not None and tg_in is not None:
                                     t["ours_adapter"]["put"].append(tp_in)
                                     t["ours_adapter"]["get"].append(tg_in)
+                                if c == "raw" and tp_in is not None:
+                                    t["raw_copied"]["put"].append(tp_in)
+                                    t["raw_copied"]["get"].append(tg)
                         print(f"[{tq_backend}] {size} MB rep {rep + 1}", file=sys.stderr, flush=True)
             finally:
                 if tq_url is not None:
@@ -363,6 +375,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for op in ("put", "get"):
                 ratios[f"{op}_ours_vs_raw"] = base["ours"][f"{op}_gbps"] / base["raw"][f"{op}_gbps"]
                 ratios[f"{op}_adapter_vs_raw"] = base["ours_adapter"][f"{op}_gbps"] / base["raw"][f"{op}_gbps"]
+            if "raw_copied" in base:
+                ratios["put_ours_vs_raw_copied"] = base["ours"]["put_gbps"] / base["raw_copied"]["put_gbps"]
         # Paired: ours and raw run back to back in every repetition of every phase, so raw/ours per
         # repetition cancels the drift of a shared machine; the median over all of them.
         size_key = next(k for k, v in results.items() if v is cells)
@@ -393,6 +407,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "repeat": args.repeat,
             "warmup": args.warmup,
             "segment_gib": args.segment_gib,
+            "transport": "shared memory (real client)" if args.shm else "loopback TCP",
             "rows": "64 below 8 MB, else 256 (make_batch)",
             "phases": [p or "no-tq" for p in phases],
         },
@@ -413,7 +428,11 @@ def to_markdown(report: dict[str, Any]) -> str:
         f"{', '.join(f'{x:.2f}' for x in m['loadavg_before'])}, after {', '.join(f'{x:.2f}' for x in m['loadavg_after'])}.",
         f"Batches: `make_batch(size, {report['config']['fields']} fields)` (jagged token fields + a [B] reward); "
         f"writer and reader are separate spawned processes, the store server a third; medians of "
-        f"{report['config']['repeat']} after {report['config']['warmup']} warm-up, contenders interleaved.",
+        f"{report['config']['repeat']} after {report['config']['warmup']} warm-up, contenders interleaved. "
+        f"Transport: {report['config']['transport']}.",
+        "",
+        "`raw` puts from a registered buffer the batch already sits in; `raw_copied` also copies the batch "
+        "into it first (timed), as a raw user holding tensors must when only registered memory can be sent.",
         "",
         "`*_ours_vs_raw` compare medians from the phase without TransferQueue (no Ray running); "
         "`*_ours_vs_raw_paired` is the median, over every repetition of every phase, of raw/ours timed back to "
@@ -467,6 +486,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--segment-gib", type=int, default=3)
     p.add_argument("--no-tq", dest="tq", action="store_false")
+    p.add_argument(
+        "--tcp", dest="shm", action="store_false", help="mooncake://local?shm=false: clients reach the store over TCP"
+    )
     p.add_argument("--out", default=str(RESULTS / "mooncake_xproc"), help="path without extension (.json, .md)")
     return p.parse_args(argv)
 

@@ -84,12 +84,14 @@ class _Spy:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, obj: Any, names: list[str]) -> None:
         self.calls: dict[str, int] = dict.fromkeys(names, 0)
+        self.args: dict[str, list[tuple[Any, ...]]] = {name: [] for name in names}
         for name in names:
             monkeypatch.setattr(obj, name, self._wrap(name, getattr(obj, name)))
 
     def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             self.calls[name] += 1
+            self.args[name].append(args)
             return fn(*args, **kwargs)
 
         return wrapper
@@ -189,7 +191,9 @@ class TestMooncakeAdapter:
         finally:
             other.kv_clear(partition_id="unread")
 
-    def test_whole_put_lands_in_a_registered_buffer(self, owner: StoreClient, other: StoreClient) -> None:
+    def test_whole_put_lands_in_a_registered_buffer(
+        self, owner: StoreClient, other: StoreClient, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
         values = torch.randn(64, 8192)  # 2 MiB: pooled
         meta = owner.kv_batch_put([f"k{i}" for i in range(64)], {"x": values}, partition_id="zc")
         try:
@@ -198,10 +202,16 @@ class TestMooncakeAdapter:
             handle = other.store.handle  # type: ignore[attr-defined]
             if handle.shm is None:
                 assert handle.covers(got.data_ptr(), got.numel() * 4)
-            else:  # the real client wrote it straight into this client's shared memory
-                assert any(
-                    b <= got.data_ptr() and got.data_ptr() + got.numel() * 4 <= b + n for b, n in handle.shm.spans()
-                )
+                return
+            # the real client wrote it straight into this client's shared memory ...
+            assert handle.shm.holds(got.data_ptr(), got.numel() * 4)
+            # ... and a write-back of it is sent from there, with no staging copy
+            spy = _Spy(monkeypatch, other.store.pool, ["empty"])  # type: ignore[attr-defined]
+            got.mul_(2)
+            other.kv_batch_put(meta.keys, {"y": got}, partition_id="zc")
+            assert all(n < got.numel() * 4 for n, *_ in spy.args["empty"])  # only the small index
+            back = owner.kv_batch_get(meta.keys, partition_id="zc", select_fields="y")["y"]
+            assert bit_exact(back, values * 2)
         finally:
             owner.kv_clear(partition_id="zc")
 

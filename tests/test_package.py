@@ -6,6 +6,7 @@ import gc
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -120,3 +121,26 @@ def test_buffer_pool_carves_large_entries_from_one_slab() -> None:
     again = pool.carve({"ids": (2 << 20) + 3, "logp": 1 << 20})
     assert again["ids"].data_ptr() == slab and pool.carve({"r": 10}) == {}
     pool.close()
+
+
+def test_buffer_pool_alloc_hook_makes_every_buffer() -> None:
+    made: list[int] = []
+    dropped: list[int] = []
+
+    def alloc(n: int) -> np.ndarray:
+        made.append(n)
+        return np.zeros(n, dtype=np.uint8)
+
+    pool = BufferPool(4 << 20, min_bytes=1, alloc=alloc, on_drop=lambda a: dropped.append(a.nbytes))
+    pooled = pool.empty(3 << 20)  # a slab of its size class
+    small = pool.empty(10)  # pooled too (min_bytes=1)
+    over = pool.empty(2 << 20)  # beyond max_bytes: still from alloc, dropped when its tensor dies
+    assert len(made) == 3 and made[-1] == 2 << 20 and over.numel() == 2 << 20
+    del over
+    gc.collect()
+    assert dropped == [2 << 20]
+    del pooled, small
+    gc.collect()
+    assert len(dropped) == 1  # pooled slabs go back to the pool, not to on_drop
+    pool.close()
+    assert len(dropped) == 3

@@ -128,6 +128,7 @@ class StoreHandle:
         self._fork_note = ""
         self._registered: dict[int, int] = {}  # ptr -> size
         self.shm: ShmArenas | None = None
+        self.real_client = real_client
         store = MooncakeDistributedStore()
         if real_client is not None:
             rc = store.setup_dummy(CHUNK, int(local_buffer_bytes), real_client)

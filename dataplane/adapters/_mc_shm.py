@@ -89,6 +89,11 @@ class ShmArenas:
         with _LOCK:
             return [(a.base, a.size) for a in self._mine]
 
+    def holds(self, ptr: int, nbytes: int) -> bool:
+        """Whether ``[ptr, ptr + nbytes)`` lies in one region of this client (the real client reaches it)."""
+        with _LOCK:
+            return any(a.base <= ptr and ptr + nbytes <= a.base + a.size for a in self._mine)
+
     def alloc(self, nbytes: int) -> np.ndarray:
         """A uint8 array of ``nbytes`` the real client can read and write (contents undefined)."""
         need = -(-max(nbytes, 1) // _ALIGN) * _ALIGN

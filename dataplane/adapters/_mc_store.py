@@ -279,7 +279,7 @@ class MooncakeStore(KVStore):
             entries[name] = (col.schema, nbytes, offsets)
             if not nbytes:  # Mooncake cannot store 0 bytes: no object, the index says 0
                 continue
-            if self._stage_puts:
+            if self._stage_puts and not self._reachable(values.data_ptr(), nbytes):
                 staged = self.pool.empty(nbytes)
                 staged.copy_(values.reshape(-1).view(torch.uint8))
                 values = staged
@@ -306,6 +306,11 @@ class MooncakeStore(KVStore):
         with part.lock:
             part.known[plan.put_id] = plan.index
         return {HINT_KEY: {plan.index_key: plan.body}}
+
+    def _reachable(self, ptr: int, nbytes: int) -> bool:
+        """Whether a put can send these bytes as they are: tensors a shared-memory client got from a
+        get (and writes back) already lie in its shared memory."""
+        return self.handle.shm is not None and self.handle.shm.holds(ptr, nbytes)
 
     def _source(self, body: bytes) -> np.ndarray:
         """``body`` as memory a put can read (copied into the pool when puts are staged)."""

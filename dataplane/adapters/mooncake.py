@@ -2,9 +2,18 @@
 
 ``mooncake://local`` starts and owns a ``mooncake_master`` and one store-server process (which lends
 ``segment_bytes`` of RAM to the pool) on free loopback ports, waits until both are healthy, and stops
-both on ``close()``; they also stop if the owning process dies (``PR_SET_PDEATHSIG`` plus a stdin
-watchdog). ``mooncake://HOST:PORT`` joins a running master (``HOST:PORT`` is its RPC address);
-other processes of the job join the owner's deployment with ``client.store.join_url``.
+both on ``close()``; they also stop if the owning process dies (``PR_SET_PDEATHSIG``, plus a stdin
+watchdog for the TCP server). ``mooncake://HOST:PORT`` joins a running master (``HOST:PORT`` is its
+RPC address); other processes of the job join the owner's deployment with ``client.store.join_url``.
+
+Transport. By default (``shm=true``) the store server of ``mooncake://local`` is a Mooncake "real
+client" (``mooncake_client``, shipped in the wheel) and every client of the deployment attaches to
+it (``setup_dummy``): the real client copies between its segment and the caller's shared memory,
+about 8-10 GB/s on a 2-core VM against 1-2 GB/s for loopback TCP. Puts are first copied into that
+shared memory (Mooncake cannot read other memory of the caller); gets land in it and are returned
+as they are. Such memory stays mapped until the process exits (Mooncake never unmaps it), so it is
+kept in 256 MiB regions and reused, by later clients of the process too (:mod:`._mc_shm`).
+``shm=false`` starts a plain store server instead, reached over loopback TCP.
 
 Clients lend no memory by default (``client_segment_bytes=0``): in Mooncake an object dies with the
 process whose segment holds it, so data lives in dedicated store servers and outlives the writers.
@@ -42,11 +51,18 @@ Running on a cluster (one master, one store server per node that lends memory)::
 
     # head node
     mooncake_master --rpc_address=0.0.0.0 --rpc_port=50051 --metrics_port=9003 --client_ttl=10
-    # every node that lends memory (routable address of this node; 64 GiB here)
-    python -m dataplane.adapters._mooncake_server --master HEAD:50051 --host $NODE_IP \\
-        --segment-bytes 68719476736 --protocol rdma --rdma-devices mlx5_0,mlx5_1 --no-stdin-watchdog
-    # every process of the job
+    # every node that lends memory (routable address of this node; 64 GiB here): a real client, so
+    # the processes of that node reach it through shared memory
+    mooncake_client --master_server_address=HEAD:50051 --metadata_server=P2PHANDSHAKE --host=$NODE_IP \\
+        --port=50052 --global_segment_size=68719476736 --protocol=rdma --device_names=mlx5_0,mlx5_1
+    # every process of the job, on a node running a real client
+    client = dataplane.connect("mooncake://HEAD:50051?metrics_port=9003&real_client=127.0.0.1:50052")
+    # or, on a node without one: a network client of the store servers
     client = dataplane.connect("mooncake://HEAD:50051?metrics_port=9003&protocol=rdma&rdma_devices=mlx5_0")
+
+A plain store server (no shared memory) is
+``python -m dataplane.adapters._mooncake_server --master HEAD:50051 --host $NODE_IP --segment-bytes N
+--protocol rdma --rdma-devices mlx5_0 --no-stdin-watchdog``.
 
 ``protocol`` is ``tcp`` (default) or ``rdma``; ``rdma_devices`` is a comma list of HCA names
 (``ibv_devices`` lists them); Mooncake silently falls back to TCP when it finds no RDMA device, so
