@@ -63,6 +63,7 @@ def small_chunks(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(_mc_shm, "CHUNK", 1 << 20)
     monkeypatch.setattr(_mc_shm, "_IDLE", [])
     monkeypatch.setattr(_mc_shm, "_ORPHANS", [])
+    monkeypatch.setattr(_mc_shm, "_LIVE", [])
     yield
 
 
@@ -146,3 +147,15 @@ def test_a_later_client_of_this_process_reuses_the_shared_memory_of_a_closed_one
     assert {base for base, _ in first} <= idle  # every piece came back: free for the next client
     # an idle region, registered with the new client's real client: no new shared memory
     assert {base for base, _ in round_trip()} <= idle
+
+
+@pytest.mark.usefixtures("small_chunks")
+def test_a_piece_freed_while_the_lock_is_held_is_taken_back_later() -> None:
+    fake = _FakeMooncake()
+    arenas = fake.arenas()
+    piece = arenas.alloc(100)
+    with _mc_shm._LOCK:  # as when the garbage collector finalizes a tensor inside alloc
+        arenas.free(piece)  # must not wait for the lock
+        assert len(_mc_shm._RETURNED) == 1
+    assert arenas.alloc(100).ctypes.data == piece.ctypes.data  # taken back first, then reused
+    assert not _mc_shm._RETURNED

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -65,6 +66,25 @@ class Arena:
 
 _LOCK = threading.Lock()
 _IDLE: list[Arena] = []  # regions of this process no client uses, every piece returned
+_LIVE: list[Arena] = []  # regions some open client carves
+_ORPHANS: list[Arena] = []  # regions of closed clients with pieces still lent out
+# Pieces given back but not yet put back in their region. ``free`` runs from tensor finalizers, i.e.
+# whenever the garbage collector runs, possibly in a thread that holds _LOCK: it never waits for it.
+_RETURNED: deque[int] = deque()
+
+
+def _take_back() -> None:
+    """Put the returned pieces back (caller holds _LOCK)."""
+    while _RETURNED:
+        ptr = _RETURNED.popleft()
+        for arena in (*_LIVE, *_ORPHANS):
+            if arena.base <= ptr < arena.base + arena.size:
+                arena.give_back(ptr - arena.base)
+                if arena.owner is None and not arena.taken:
+                    _ORPHANS.remove(arena)
+                    if not arena.poisoned:
+                        _IDLE.append(arena)
+                break
 
 
 class ShmArenas:
@@ -87,6 +107,7 @@ class ShmArenas:
 
     def spans(self) -> list[tuple[int, int]]:
         with _LOCK:
+            _take_back()
             return [(a.base, a.size) for a in self._mine]
 
     def holds(self, ptr: int, nbytes: int) -> bool:
@@ -98,6 +119,7 @@ class ShmArenas:
         """A uint8 array of ``nbytes`` the real client can read and write (contents undefined)."""
         need = -(-max(nbytes, 1) // _ALIGN) * _ALIGN
         with _LOCK:
+            _take_back()
             for arena in self._mine:
                 off = arena.carve(need)
                 if off is not None:
@@ -128,26 +150,26 @@ class ShmArenas:
             _IDLE.remove(arena)
         arena.owner = self
         self._mine.append(arena)
+        _LIVE.append(arena)
         return arena
 
-    def free(self, arr: np.ndarray) -> None:
-        """Return a piece from :meth:`alloc` (``BufferPool`` ``on_drop``)."""
-        ptr = int(arr.ctypes.data)
-        with _LOCK:
-            for arena in (*self._mine, *_ORPHANS):
-                if arena.base <= ptr < arena.base + arena.size:
-                    arena.give_back(ptr - arena.base)
-                    if arena.owner is None and not arena.taken:
-                        _ORPHANS.remove(arena)
-                        if not arena.poisoned:
-                            _IDLE.append(arena)
-                    return
+    @staticmethod
+    def free(arr: np.ndarray) -> None:
+        """Return a piece from :meth:`alloc` (``BufferPool`` ``on_drop``); never blocks."""
+        _RETURNED.append(int(arr.ctypes.data))
+        if _LOCK.acquire(blocking=False):
+            try:
+                _take_back()
+            finally:
+                _LOCK.release()
 
     def release(self) -> None:
         """Unregister every region (before the client closes); they are reused once all pieces return."""
         with _LOCK:
+            _take_back()
             mine, self._mine = self._mine, []
             for arena in mine:
+                _LIVE.remove(arena)
                 arena.owner = None
                 try:
                     arena.poisoned = self._unregister(arena.base) != 0
@@ -157,6 +179,3 @@ class ShmArenas:
                     _ORPHANS.append(arena)
                 elif not arena.poisoned:
                     _IDLE.append(arena)
-
-
-_ORPHANS: list[Arena] = []  # regions of closed clients with pieces still lent out
