@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 import dataplane
-from dataplane.adapters import _mc_shm
+from dataplane.adapters import _mc_shm, _mooncake_procs
 from dataplane.adapters._mc_shm import Arena, ShmArenas
 from dataplane.adapters.mooncake import MooncakeConfig
 from dataplane.errors import BackendUnavailable, InvalidArgument
@@ -159,3 +161,15 @@ def test_a_piece_freed_while_the_lock_is_held_is_taken_back_later() -> None:
         assert len(_mc_shm._RETURNED) == 1
     assert arenas.alloc(100).ctypes.data == piece.ctypes.data  # taken back first, then reused
     assert not _mc_shm._RETURNED
+
+
+def test_the_real_client_binary_is_found_in_the_wheel_or_by_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DATAPLANE_MOONCAKE_CLIENT", "/opt/mc/mooncake_client")
+    assert _mooncake_procs.find_real_client_binary() == "/opt/mc/mooncake_client"
+    monkeypatch.delenv("DATAPLANE_MOONCAKE_CLIENT")
+    if importlib.util.find_spec("mooncake") is None:
+        with pytest.raises(RuntimeError, match="DATAPLANE_MOONCAKE_CLIENT"):
+            _mooncake_procs.find_real_client_binary()
+        return
+    path = Path(_mooncake_procs.find_real_client_binary())
+    assert path.name == "mooncake_client" and os.access(path, os.X_OK)

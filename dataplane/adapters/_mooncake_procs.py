@@ -120,27 +120,35 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def find_master_binary() -> str:
-    """Path of ``mooncake_master`` shipped inside the installed ``mooncake`` package.
-
-    Order: ``$DATAPLANE_MOONCAKE_MASTER``; ``<site-packages>/mooncake/mooncake_master``; ``PATH``.
-    """
-    override = os.environ.get("DATAPLANE_MOONCAKE_MASTER")
+def _find_binary(name: str, override_env: str) -> str:
+    """Path of the Mooncake executable ``name``: ``$<override_env>``; ``<site-packages>/mooncake/<name>``
+    (the wheel ships it there); ``PATH``."""
+    override = os.environ.get(override_env)
     if override:
         return override
     spec = importlib.util.find_spec("mooncake")  # top-level: locates, does not execute
     if spec is not None:
         for loc in spec.submodule_search_locations or ():
-            cand = Path(loc) / "mooncake_master"
+            cand = Path(loc) / name
             if cand.is_file() and os.access(cand, os.X_OK):
                 return str(cand)
-    on_path = shutil.which("mooncake_master")
+    on_path = shutil.which(name)
     if on_path:
         return on_path
     raise RuntimeError(
-        "mooncake_master binary not found: install the Mooncake extra "
-        "(pip install 'mooncake-transfer-engine-non-cuda') or set DATAPLANE_MOONCAKE_MASTER"
+        f"{name} binary not found: install the Mooncake extra "
+        f"(pip install 'mooncake-transfer-engine-non-cuda') or set {override_env}"
     )
+
+
+def find_master_binary() -> str:
+    """Path of ``mooncake_master`` (``$DATAPLANE_MOONCAKE_MASTER`` overrides)."""
+    return _find_binary("mooncake_master", "DATAPLANE_MOONCAKE_MASTER")
+
+
+def find_real_client_binary() -> str:
+    """Path of ``mooncake_client``, a Mooncake "real client" (``$DATAPLANE_MOONCAKE_CLIENT`` overrides)."""
+    return _find_binary("mooncake_client", "DATAPLANE_MOONCAKE_CLIENT")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -683,14 +691,6 @@ def start_store_server(
     tail = h.tail_log(25)
     h.stop(timeout_s=5.0)
     raise RuntimeError(f"mooncake store server failed to start (master {addr}): {why}\n--- server log tail ---\n{tail}")
-
-
-def find_real_client_binary() -> str:
-    """Path of ``mooncake_client`` (a Mooncake "real client") shipped next to ``mooncake_master``."""
-    path = Path(find_master_binary()).with_name("mooncake_client")
-    if not os.access(path, os.X_OK):
-        raise RuntimeError(f"{path} is missing or not executable; reinstall mooncake-transfer-engine-non-cuda")
-    return str(path)
 
 
 def start_real_client(
