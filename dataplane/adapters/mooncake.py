@@ -13,7 +13,9 @@ about 8-10 GB/s on a 2-core VM against 1-2 GB/s for loopback TCP. Puts are first
 shared memory (Mooncake cannot read other memory of the caller); gets land in it and are returned
 as they are. Such memory stays mapped until the process exits (Mooncake never unmaps it), so it is
 kept in 256 MiB regions and reused, by later clients of the process too (:mod:`._mc_shm`).
-``shm=false`` starts a plain store server instead, reached over loopback TCP.
+``shm=false`` starts a plain store server instead, reached over loopback TCP. Mooncake logs two
+harmless error lines around attaching and closing (``Failed to receive hot cache fd``, ``Dummy
+Client not connected``); ``MC_LOG_LEVEL`` (default ``WARNING``) does not silence glog errors.
 
 Clients lend no memory by default (``client_segment_bytes=0``): in Mooncake an object dies with the
 process whose segment holds it, so data lives in dedicated store servers and outlives the writers.
