@@ -19,7 +19,7 @@ import dataplane
 from dataplane.adapters import _mc_shm, _mooncake_procs
 from dataplane.adapters._mc_shm import Arena, ShmArenas
 from dataplane.adapters.mooncake import MooncakeConfig
-from dataplane.errors import BackendUnavailable, InvalidArgument
+from dataplane.errors import BackendUnavailable, CapacityExceeded, InvalidArgument
 from dataplane.testing.strategies import bit_exact
 
 
@@ -173,3 +173,20 @@ def test_the_real_client_binary_is_found_in_the_wheel_or_by_override(monkeypatch
         return
     path = Path(_mooncake_procs.find_real_client_binary())
     assert path.name == "mooncake_client" and os.access(path, os.X_OK)
+
+
+@pytest.mark.usefixtures("small_chunks")
+def test_shared_memory_that_cannot_be_mapped_is_a_capacity_error() -> None:
+    fake = _FakeMooncake()
+    arenas = ShmArenas(lambda n: 0, fake.register, fake.unregister)  # alloc_from_mem_pool failed
+    with pytest.raises(CapacityExceeded, match="shm=false"):
+        arenas.alloc(100)
+    assert not fake.registered
+
+
+def test_a_real_client_that_exits_at_start_is_reported_with_its_log(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DATAPLANE_MOONCAKE_CLIENT", "/bin/false")  # exits 1 at once, like a port clash
+    master = _mooncake_procs.MasterHandle(host="127.0.0.1", rpc_port=1, metrics_port=1, pid=os.getpid())
+    with pytest.raises(RuntimeError, match="exited rc=1"):
+        _mooncake_procs.start_real_client(master, segment_bytes=1 << 20, attempts=2)
+    assert not [h for h in _mooncake_procs._LIVE if isinstance(h, _mooncake_procs.StoreServerHandle) and h.alive()]

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dataplane.errors import CapacityExceeded
+
 __all__ = ["CHUNK", "Arena", "ShmArenas"]
 
 CHUNK = 256 << 20  # bytes per region (pages are touched only when used)
@@ -137,7 +139,10 @@ class ShmArenas:
             size = max(CHUNK, need)
             base = int(self._make(size))
             if not base:
-                raise MemoryError(f"could not map {size} bytes of shared memory for Mooncake")
+                raise CapacityExceeded(
+                    f"could not map {size} bytes of shared memory for Mooncake (memfd); free host memory, hold "
+                    "fewer fetched batches at once, or connect with shm=false"
+                )
             view = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(base))
             arena = Arena(base, size, view, [[0, size]])
         try:
