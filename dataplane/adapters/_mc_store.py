@@ -118,8 +118,7 @@ class MooncakeStore(KVStore):
         self.admin = admin
         self.ns = ns
         self.writer = writer
-        # RDMA reads only registered memory, a shared-memory client only its shared memory: puts are
-        # copied into the pool. TCP reads whole objects into unregistered memory too.
+        # puts are copied into the pool (see _sendable); TCP also reads into unregistered memory
         self._stage_puts = protocol != "tcp" or handle.shm is not None
         if handle.shm is not None:
             self.pool = BufferPool(pool_bytes, min_bytes=1, alloc=handle.shm.alloc, on_drop=handle.shm.free)
@@ -279,10 +278,7 @@ class MooncakeStore(KVStore):
             entries[name] = (col.schema, nbytes, offsets)
             if not nbytes:  # Mooncake cannot store 0 bytes: no object, the index says 0
                 continue
-            if self._stage_puts and not self._reachable(values.data_ptr(), nbytes):
-                staged = self.pool.empty(nbytes)
-                staged.copy_(values.reshape(-1).view(torch.uint8))
-                values = staged
+            values = self._sendable(values)
             plan.hold.append(values)
             plan.obj_keys.append(data_key(head, put_id, name))
             plan.ptrs.append(values.data_ptr())
@@ -293,10 +289,10 @@ class MooncakeStore(KVStore):
         return plan
 
     def _put_checked(self, part: _Part, partition_id: str, plan: _PlannedPut, deadline: float) -> dict[str, Any]:
-        index_buf = self._source(plan.body)
+        index_buf = self._sendable_bytes(plan.body)
         self._write(
             [*plan.obj_keys, plan.index_key],
-            [*plan.ptrs, int(index_buf.ctypes.data)],
+            [*plan.ptrs, index_buf.data_ptr()],
             [*plan.sizes, len(plan.body)],
             partition_id,
             deadline,
@@ -307,18 +303,19 @@ class MooncakeStore(KVStore):
             part.known[plan.put_id] = plan.index
         return {HINT_KEY: {plan.index_key: plan.body}}
 
-    def _reachable(self, ptr: int, nbytes: int) -> bool:
-        """Whether a put can send these bytes as they are: tensors a shared-memory client got from a
-        get (and writes back) already lie in its shared memory."""
-        return self.handle.shm is not None and self.handle.shm.holds(ptr, nbytes)
+    def _sendable(self, values: torch.Tensor) -> torch.Tensor:
+        """Contiguous ``values`` as memory a put can send: as they are over TCP, or when they already lie
+        in this shared-memory client's memory (a write-back of fetched tensors); else copied into the
+        pool (RDMA sends only registered memory, a shared-memory client only its shared memory)."""
+        nbytes = values.numel() * values.element_size()
+        if not self._stage_puts or (self.handle.shm is not None and self.handle.shm.holds(values.data_ptr(), nbytes)):
+            return values
+        staged = self.pool.empty(nbytes)
+        staged.copy_(values.reshape(-1).view(torch.uint8))
+        return staged
 
-    def _source(self, body: bytes) -> np.ndarray:
-        """``body`` as memory a put can read (copied into the pool when puts are staged)."""
-        if not self._stage_puts:
-            return np.frombuffer(body, dtype=np.uint8)
-        buf = self.pool.empty(len(body)).numpy()
-        buf[:] = np.frombuffer(body, dtype=np.uint8)
-        return buf
+    def _sendable_bytes(self, body: bytes) -> torch.Tensor:
+        return self._sendable(torch.frombuffer(bytearray(body), dtype=torch.uint8))
 
     def _write(self, keys: list[str], ptrs: list[int], sizes: list[int], partition_id: str, deadline: float) -> None:
         """All-or-nothing hard-pinned upsert; retries transfer/RPC failures (a dead server's segment)."""
@@ -515,13 +512,13 @@ class MooncakeStore(KVStore):
                 put_id = new_put_id(self.writer)
                 body = encode_index(doomed, {}, None, op="del")
                 key = f"{index_prefix(self.ns, partition_id)}{put_id}.{len(body)}"
-                buf = self._source(body)
+                buf = self._sendable_bytes(body)
                 try:
-                    self._write([key], [int(buf.ctypes.data)], [len(body)], partition_id, deadline)
+                    self._write([key], [buf.data_ptr()], [len(body)], partition_id, deadline)
                 except CapacityExceeded:  # a full store must still be clearable: free space, then retry
                     self._remove(doomed_objects)
                     doomed_objects = []
-                    self._write([key], [int(buf.ctypes.data)], [len(body)], partition_id, deadline)
+                    self._write([key], [buf.data_ptr()], [len(body)], partition_id, deadline)
                 known[put_id] = decode_index(key, put_id, body)
             self._remove(doomed_objects)
             for p in garbage:

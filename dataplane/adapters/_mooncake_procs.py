@@ -52,7 +52,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -304,6 +304,33 @@ def _spawn(argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
     return _SPAWNER.popen(argv, **kwargs)
 
 
+def _spawn_logged(
+    argv: list[str],
+    what: str,
+    *,
+    release: Sequence[socket.socket] = (),
+    pipes: bool = False,
+    env: dict[str, str] | None = None,
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Spawn ``argv`` with its output in a fresh temp log (``dataplane-mooncake-<what>-*.log``, removed
+    if the spawn fails). ``release``: sockets holding its ports, closed just before. ``pipes``: its
+    stdin and stdout are pipes to us and only stderr goes to the log; else stdin is /dev/null."""
+    log_fd, log_path = tempfile.mkstemp(prefix=f"dataplane-mooncake-{what}-", suffix=".log")
+    try:
+        for sock in release:
+            sock.close()
+        if pipes:
+            proc = _spawn(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_fd, env=env, bufsize=0)
+        else:
+            proc = _spawn(argv, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=subprocess.STDOUT, env=env)
+    except BaseException:
+        os.unlink(log_path)
+        raise
+    finally:
+        os.close(log_fd)
+    return proc, log_path
+
+
 # ---------------------------------------------------------------------------------------------
 # shared handle behaviour
 
@@ -453,16 +480,7 @@ def _try_start_master(
         f"--http_metadata_server_port={http}",
         *flags,
     ]
-    log_fd, log_path = tempfile.mkstemp(prefix="dataplane-mooncake-master-", suffix=".log")
-    try:
-        for s in socks:
-            s.close()
-        proc = _spawn(argv, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=subprocess.STDOUT, env=child_env())
-    except BaseException:
-        os.close(log_fd)
-        os.unlink(log_path)
-        raise
-    os.close(log_fd)
+    proc, log_path = _spawn_logged(argv, "master", release=socks, env=child_env())
     h = MasterHandle(
         host=host,
         rpc_port=rpc,
@@ -655,16 +673,7 @@ def start_store_server(
         argv = [sys.executable, "-P", str(Path(__file__).with_name("_mooncake_server.py")), *server_args]
     else:
         raise ValueError("launch must be 'module' or 'path'")
-    log_fd, log_path = tempfile.mkstemp(prefix="dataplane-mooncake-server-", suffix=".log")
-    try:
-        proc = _spawn(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_fd, env=child_env(extra_env), bufsize=0
-        )
-    except BaseException:
-        os.close(log_fd)
-        os.unlink(log_path)
-        raise
-    os.close(log_fd)
+    proc, log_path = _spawn_logged(argv, "server", pipes=True, env=child_env(extra_env))
     h = StoreServerHandle(
         pid=proc.pid, host=host, master_address=addr, segment_bytes=int(segment_bytes), log_path=log_path, _proc=proc
     )
@@ -727,16 +736,7 @@ def start_real_client(
             f"--device_names={rdma_devices}",
             f"--threads={max(1, min(os.cpu_count() or 1, 8))}",
         ]
-        log_fd, log_path = tempfile.mkstemp(prefix="dataplane-mooncake-client-", suffix=".log")
-        try:
-            for sock in socks:
-                sock.close()
-            proc = _spawn(argv, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=subprocess.STDOUT, env=child_env())
-        except BaseException:
-            os.close(log_fd)
-            os.unlink(log_path)
-            raise
-        os.close(log_fd)
+        proc, log_path = _spawn_logged(argv, "client", release=socks, env=child_env())
         h = StoreServerHandle(
             pid=proc.pid,
             host=host,
