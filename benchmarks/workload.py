@@ -11,7 +11,7 @@ import torch
 
 from dataplane.codec import materialize, offsets_from_lengths
 
-__all__ = ["Batch", "make_batch", "rollout_lengths"]
+__all__ = ["Batch", "in_client_memory", "make_batch", "rollout_lengths"]
 
 # (name, dtype) of the per-token fields, cycled to reach the requested field count
 _TOKEN_FIELDS: tuple[tuple[str, torch.dtype], ...] = (
@@ -91,6 +91,20 @@ def make_batch(
         ]
     keys = [f"uid{i // 8}_g{i % 8}" for i in range(b)]
     return Batch(keys=keys, fields=fields, payload_bytes=payload, padded_bytes=padded, lengths=lens)
+
+
+def in_client_memory(batch: Batch, client: Any) -> Batch:
+    """The same batch, built in ``client.empty`` memory (what a put sends without a staging copy)."""
+    fields: dict[str, Any] = {}
+    for name, v in batch.fields.items():
+        if not isinstance(v, torch.Tensor):
+            fields[name] = v
+            continue
+        src = v.values() if v.is_nested else v
+        dst = client.empty(tuple(src.shape), src.dtype)
+        dst.copy_(src)
+        fields[name] = torch.nested.nested_tensor_from_jagged(dst, v.offsets()) if v.is_nested else dst
+    return Batch(batch.keys, fields, batch.payload_bytes, batch.padded_bytes, batch.lengths)
 
 
 def flat_views(batch: Batch) -> list[torch.Tensor]:

@@ -9,19 +9,22 @@ from inside a running loop (a Ray async actor) alike.
 from __future__ import annotations
 
 import asyncio
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+import torch
 from tensordict import TensorDict, TensorDictBase
 
 from dataplane.codec.jagged import PadValue
 from dataplane.codec.wire import Layout
+from dataplane.errors import InvalidArgument
 from dataplane.meta import KVBatchMeta
 
-__all__ = ["Capabilities", "DataPlaneClient", "FieldsIn", "KeysOrMeta", "PadValues"]
+__all__ = ["Capabilities", "DataPlaneClient", "FieldsIn", "KeysOrMeta", "PadValues", "check_shape"]
 
 FieldsIn = TensorDictBase | Mapping[str, Any]
 KeysOrMeta = Sequence[str] | KVBatchMeta
@@ -48,6 +51,21 @@ class Capabilities:
     zero_copy: bool = False
     device_tensors: bool = False
     max_keys_per_call: int | None = None
+
+
+def check_shape(shape: Sequence[int] | int, dtype: object) -> tuple[int, ...]:
+    """``shape`` as a tuple of non-negative ints, or ``InvalidArgument`` (for :meth:`DataPlaneClient.empty`)."""
+    dims = (shape,) if isinstance(shape, int) else shape
+    ok = isinstance(dims, Sequence | torch.Size) and all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims
+    )
+    if not ok:
+        raise InvalidArgument(f"shape must be an int or a sequence of ints >= 0, e.g. (256, 1024); got {shape!r}")
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidArgument(f"dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r}")
+    if math.prod(dims) * dtype.itemsize >= 1 << 48:
+        raise InvalidArgument(f"shape {tuple(dims)} of {dtype} is too large to allocate")
+    return tuple(dims)
 
 
 class DataPlaneClient(ABC):
@@ -97,6 +115,17 @@ class DataPlaneClient(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release this client (idempotent). Owners also tear down what they started."""
+
+    def empty(self, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """An uninitialised host tensor that a put of this client sends without copying it first.
+
+        Build rollout data straight into it (or into a jagged field's ``values``), then put it.
+        Backends that can only send memory they registered (Mooncake over shared memory or RDMA)
+        hand out that memory here, and would otherwise copy each put into it; elsewhere this is
+        ``torch.empty``. The tensor belongs to the caller like any other; tensors a get of this
+        client returned are sent without a copy too (a write-back).
+        """
+        return torch.empty(check_shape(shape, dtype), dtype=dtype)
 
     # -- async twins: run the sync call on a worker thread, never block the caller's loop ----------
     async def async_kv_batch_put(

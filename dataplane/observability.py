@@ -190,6 +190,9 @@ class ObservedClient(DataPlaneClient):
             box[0] = payload_bytes(out)
             return out
 
+    def empty(self, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.inner.empty(shape, dtype)
+
     def kv_clear(self, keys: Sequence[str] | None = None, *, partition_id: str) -> None:
         with self._observe("kv_clear", partition_id, len(keys) if keys is not None else 0, 0):
             self.inner.kv_clear(keys, partition_id=partition_id)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -20,7 +21,15 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from dataplane.client import Capabilities, DataPlaneClient, FieldsIn, KeysOrMeta, Listing, PadValues
+from dataplane.client import (
+    Capabilities,
+    DataPlaneClient,
+    FieldsIn,
+    KeysOrMeta,
+    Listing,
+    PadValues,
+    check_shape,
+)
 from dataplane.codec.jagged import lengths_of
 from dataplane.codec.wire import Column, Layout, decode_columns, encode_fields, validate_field_name
 from dataplane.errors import ClientClosed, DataPlaneError, InvalidArgument, SchemaError
@@ -106,6 +115,11 @@ class KVStore(ABC):
 
     def validate_keys(self, keys: Sequence[str]) -> None:  # noqa: B027 - optional hook
         """Adapter-specific key rules (raise ``InvalidArgument``); the core checks the common ones."""
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of uint8 host memory (64-byte aligned at least) that :meth:`put` sends without a
+        staging copy (:meth:`DataPlaneClient.empty`); by default any memory."""
+        return torch.empty(nbytes, dtype=torch.uint8)
 
 
 def _finished() -> None:
@@ -355,6 +369,11 @@ class StoreClient(DataPlaneClient):
             pad_to_length=pad_to_length,
             pickle_fields=self.pickle_fields,
         )
+
+    def empty(self, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        self._check_open()
+        dims = check_shape(shape, dtype)
+        return self._store.alloc(math.prod(dims) * dtype.itemsize).view(dtype).view(dims)
 
     def kv_clear(self, keys: Sequence[str] | None = None, *, partition_id: str) -> None:
         self._check_open()

@@ -215,6 +215,27 @@ class TestMooncakeAdapter:
         finally:
             owner.kv_clear(partition_id="zc")
 
+    def test_put_of_client_empty_memory_is_sent_without_a_copy(
+        self, owner: StoreClient, other: StoreClient, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        lengths = torch.tensor([3000, 1, 70000, 500])
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        ids = other.empty(int(offsets[-1]), torch.int64)  # rollout tokens built straight into it
+        ids.copy_(torch.randint(0, 150_000, ids.shape))
+        logp = other.empty((4, 8192), torch.bfloat16)
+        logp.copy_(torch.randn(4, 8192))
+        fields = {"ids": torch.nested.nested_tensor_from_jagged(ids, offsets), "logp": logp}
+        spy = _Spy(monkeypatch, other.store.pool, ["empty"])  # type: ignore[attr-defined]
+        try:
+            meta = other.kv_batch_put(["a", "b", "c", "d"], fields, partition_id="zcput")
+            staged = [n for n, *_ in spy.args["empty"]]
+            assert all(n < logp.numel() * 2 for n in staged)  # at most the small index object
+            got = owner.kv_batch_get(meta, select_fields=["ids", "logp"])
+            assert bit_exact(got["ids"].values(), ids) and torch.equal(got["ids"].offsets(), offsets)
+            assert bit_exact(got["logp"], logp)
+        finally:
+            other.kv_clear(partition_id="zcput")
+
     def test_small_subset_uses_ranged_reads_over_tcp(
         self, owner: StoreClient, other: StoreClient, monkeypatch: pytest.MonkeyPatch
     ) -> None:

@@ -12,7 +12,7 @@ import torch
 
 import dataplane
 from dataplane.bufpool import BufferPool
-from dataplane.errors import BackendUnavailable, InvalidArgument
+from dataplane.errors import BackendUnavailable, ClientClosed, InvalidArgument
 from dataplane.observability import CallEvent, ObservedClient
 from dataplane.registry import AdapterSpec
 
@@ -84,6 +84,19 @@ def test_observed_client_events_and_snapshot() -> None:
     assert snap["ops"]["kv_batch_get"]["count"] == 2 and snap["ops"]["kv_batch_get"]["errors"] == 1
     assert snap["ops"]["kv_batch_put"]["p50_s"] > 0
     client.close()
+
+
+def test_empty_goes_through_the_store_and_fails_after_close() -> None:
+    inner = dataplane.connect()
+    seen: list[int] = []
+    alloc = inner.store.alloc  # type: ignore[attr-defined]
+    inner.store.alloc = lambda n: seen.append(n) or alloc(n)  # type: ignore[attr-defined]
+    client = ObservedClient(inner)  # the wrapper hands out the store's memory too
+    t = client.empty((4, 3), torch.bfloat16)
+    assert t.shape == (4, 3) and t.dtype == torch.bfloat16 and seen == [24]
+    client.close()
+    with pytest.raises(ClientClosed):
+        client.empty(1)
 
 
 def test_buffer_pool_reuses_slabs_only_after_release() -> None:

@@ -233,7 +233,14 @@ class StoreHandle:
     def covers(self, ptr: int, nbytes: int) -> bool:
         """Whether ``[ptr, ptr + nbytes)`` lies in one registered buffer (ranged reads need that; a
         shared-memory client has no ranged reads)."""
-        return self.shm is None and any(p <= ptr and ptr + nbytes <= p + n for p, n in list(self._registered.items()))
+        return self.shm is None and self.reaches(ptr, nbytes)
+
+    def reaches(self, ptr: int, nbytes: int) -> bool:
+        """Whether a put can send ``[ptr, ptr + nbytes)`` as it is: it lies in this shared-memory
+        client's memory, or in one registered buffer (RDMA)."""
+        if self.shm is not None:
+            return self.shm.holds(ptr, nbytes)
+        return any(p <= ptr and ptr + nbytes <= p + n for p, n in list(self._registered.items()))
 
     def unregister(self, arr: np.ndarray) -> None:
         """BufferPool ``on_drop`` hook; a no-op once the store is closed (closing unregisters all)."""

@@ -305,14 +305,18 @@ class MooncakeStore(KVStore):
 
     def _sendable(self, values: torch.Tensor) -> torch.Tensor:
         """Contiguous ``values`` as memory a put can send: as they are over TCP, or when they already lie
-        in this shared-memory client's memory (a write-back of fetched tensors); else copied into the
-        pool (RDMA sends only registered memory, a shared-memory client only its shared memory)."""
+        in memory this client registered (from :meth:`alloc`, or fetched by a get: a write-back); else
+        copied into the pool (RDMA sends only registered memory, a shared-memory client only its shared
+        memory)."""
         nbytes = values.numel() * values.element_size()
-        if not self._stage_puts or (self.handle.shm is not None and self.handle.shm.holds(values.data_ptr(), nbytes)):
+        if not self._stage_puts or self.handle.reaches(values.data_ptr(), nbytes):
             return values
         staged = self.pool.empty(nbytes)
         staged.copy_(values.reshape(-1).view(torch.uint8))
         return staged
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        return self.pool.empty(nbytes) if self._stage_puts else torch.empty(nbytes, dtype=torch.uint8)
 
     def _sendable_bytes(self, body: bytes) -> torch.Tensor:
         return self._sendable(torch.frombuffer(bytearray(body), dtype=torch.uint8))

@@ -235,6 +235,27 @@ class ClientConformance:
         again = client.kv_batch_get(["a", "b"], partition_id=pid, select_fields=["x", "t"])
         assert again["x"].tolist() == [[0, 1, 2], [3, 4, 5]] and again["t"].values().tolist() == [0, 1, 2, 3, 0, 1]
 
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int64, torch.bool, torch.complex64], ids=str)
+    def test_empty_tensors_round_trip(self, client: DataPlaneClient, pid: str, dtype: torch.dtype) -> None:
+        dense = client.empty((3, 2, 5), dtype)
+        assert dense.shape == (3, 2, 5) and dense.dtype == dtype and dense.device.type == "cpu"
+        dense.copy_(random_tensor((3, 2, 5), dtype, seed=1))
+        values = client.empty(7, dtype)
+        values.copy_(random_tensor((7,), dtype, seed=2))
+        jagged = torch.nested.nested_tensor_from_jagged(values, torch.tensor([0, 4, 4, 7]))
+        want_dense, want_values = dense.clone(), values.clone()
+        meta = client.kv_batch_put(["a", "b", "c"], {"d": dense, "j": jagged}, partition_id=pid)
+        dense.zero_()  # the store holds what the put sent, not the caller's buffer
+        values.zero_()
+        out = client.kv_batch_get(meta, select_fields=["d", "j"])
+        assert bit_exact(out["d"], want_dense) and bit_exact(out["j"].values(), want_values)
+        assert client.empty(0, dtype).shape == (0,) and client.empty((2, 0), dtype).shape == (2, 0)
+        for shape in (-1, (2, -3), (2, "x"), 2.5, (True,)):
+            with pytest.raises(InvalidArgument):
+                client.empty(shape, dtype)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgument):
+            client.empty(3, "float32")  # type: ignore[arg-type]
+
     def test_concurrent_writers(self, client: DataPlaneClient, pid: str) -> None:
         errors: list[BaseException] = []
 
