@@ -9,9 +9,10 @@ RPC address); other processes of the job join the owner's deployment with ``clie
 Transport. By default (``shm=true``) the store server of ``mooncake://local`` is a Mooncake "real
 client" (``mooncake_client``, shipped in the wheel) and every client of the deployment attaches to
 it (``setup_dummy``): the real client copies between its segment and the caller's shared memory,
-about 8-10 GB/s on a 2-core VM against 1-2 GB/s for loopback TCP. Puts are first copied into that
-shared memory (Mooncake cannot read other memory of the caller); gets land in it and are returned
-as they are. Such memory stays mapped until the process exits (Mooncake never unmaps it), so it is
+about 8-10 GB/s on a 2-core VM against 1-2 GB/s for loopback TCP. Mooncake cannot read other memory
+of the caller, so a put sends tensors that lie in that shared memory as they are (tensors from
+``client.empty()``, or from a get: a write-back) and copies any other tensor into it first; gets
+land in it and are returned as they are. Such memory stays mapped until the process exits (Mooncake never unmaps it), so it is
 kept in 256 MiB regions and reused, by later clients of the process too (:mod:`._mc_shm`).
 ``shm=false`` starts a plain store server instead, reached over loopback TCP. Mooncake logs two
 harmless error lines around attaching and closing (``Failed to receive hot cache fd``, ``Dummy
@@ -70,7 +71,8 @@ A plain store server (no shared memory) is
 (``ibv_devices`` lists them); Mooncake silently falls back to TCP when it finds no RDMA device, so
 check its log. Each process announces ``local_hostname`` to its peers; by default the address of
 the interface that routes to the master (never a link-local one: peers cannot reach it). With RDMA,
-puts are copied into a registered pooled buffer first; reads always land in registered buffers.
+a put copies tensors that are not in this client's registered pool (``client.empty()`` hands out
+pooled memory) into it first; reads always land in registered buffers.
 
 >>> import dataplane, torch  # doctest: +SKIP
 >>> with dataplane.connect("mooncake://local?segment_bytes=256MiB") as c:  # doctest: +SKIP
