@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import operator
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -54,18 +55,24 @@ class Capabilities:
 
 
 def check_shape(shape: Sequence[int] | int, dtype: object) -> tuple[int, ...]:
-    """``shape`` as a tuple of non-negative ints, or ``InvalidArgument`` (for :meth:`DataPlaneClient.empty`)."""
-    dims = (shape,) if isinstance(shape, int) else shape
-    ok = isinstance(dims, Sequence | torch.Size) and all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims
-    )
-    if not ok:
-        raise InvalidArgument(f"shape must be an int or a sequence of ints >= 0, e.g. (256, 1024); got {shape!r}")
+    """``shape`` as a tuple of non-negative ints, or ``InvalidArgument`` (for :meth:`DataPlaneClient.empty`).
+    Integer scalars of numpy and torch count as ints; bools do not."""
+    items = shape if isinstance(shape, Sequence) and not isinstance(shape, str) else (shape,)
+    try:
+        if any(isinstance(d, bool) for d in items):
+            raise TypeError("a bool is not a dim")
+        dims = tuple(operator.index(d) for d in items)
+        if min(dims, default=0) < 0:
+            raise TypeError("negative dim")
+    except TypeError:
+        raise InvalidArgument(
+            f"shape must be an int or a sequence of ints >= 0, e.g. (256, 1024); got {shape!r}"
+        ) from None
     if not isinstance(dtype, torch.dtype):
         raise InvalidArgument(f"dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r}")
     if math.prod(dims) * dtype.itemsize >= 1 << 48:
-        raise InvalidArgument(f"shape {tuple(dims)} of {dtype} is too large to allocate")
-    return tuple(dims)
+        raise InvalidArgument(f"shape {dims} of {dtype} is too large to allocate")
+    return dims
 
 
 class DataPlaneClient(ABC):

@@ -12,8 +12,9 @@ it (``setup_dummy``): the real client copies between its segment and the caller'
 about 8-10 GB/s on a 2-core VM against 1-2 GB/s for loopback TCP. Mooncake cannot read other memory
 of the caller, so a put sends tensors that lie in that shared memory as they are (tensors from
 ``client.empty()``, or from a get: a write-back) and copies any other tensor into it first; gets
-land in it and are returned as they are. Such memory stays mapped until the process exits (Mooncake never unmaps it), so it is
-kept in 256 MiB regions and reused, by later clients of the process too (:mod:`._mc_shm`).
+land in it and are returned as they are. Such memory stays mapped until the process exits (Mooncake
+never unmaps it), so it is kept in 256 MiB regions and reused, by later clients of the process too
+(:mod:`._mc_shm`).
 ``shm=false`` starts a plain store server instead, reached over loopback TCP. Mooncake logs two
 harmless error lines around attaching and closing (``Failed to receive hot cache fd``, ``Dummy
 Client not connected``); ``MC_LOG_LEVEL`` (default ``WARNING``) does not silence glog errors.

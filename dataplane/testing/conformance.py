@@ -250,6 +250,7 @@ class ClientConformance:
         out = client.kv_batch_get(meta, select_fields=["d", "j"])
         assert bit_exact(out["d"], want_dense) and bit_exact(out["j"].values(), want_values)
         assert client.empty(0, dtype).shape == (0,) and client.empty((2, 0), dtype).shape == (2, 0)
+        assert client.empty(torch.Size([2, 3]), dtype).shape == (2, 3)
         for shape in (-1, (2, -3), (2, "x"), 2.5, (True,)):
             with pytest.raises(InvalidArgument):
                 client.empty(shape, dtype)  # type: ignore[arg-type]
