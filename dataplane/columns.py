@@ -11,7 +11,7 @@ Token-aligned fields are right-padded: a row's valid tokens come first, then pad
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -93,8 +93,11 @@ def _resolve_lengths(spec: LengthsSpec, items: Mapping[str, Any], num_rows: int,
     return lens
 
 
-def _token_column(field: str, value: Any, lens: torch.Tensor) -> torch.Tensor:
-    """A token-aligned field as a jagged nested tensor whose row lengths are ``lens``."""
+def _token_column(
+    field: str, value: Any, lens: torch.Tensor, empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+) -> torch.Tensor:
+    """A token-aligned field as a jagged nested tensor whose row lengths are ``lens``; a padded one is
+    gathered into ``empty`` memory (the writing client's, which its put sends without a copy)."""
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
         value = torch.nested.as_nested_tensor(list(value), layout=torch.jagged)
     if not isinstance(value, torch.Tensor):
@@ -118,7 +121,7 @@ def _token_column(field: str, value: Any, lens: torch.Tensor) -> torch.Tensor:
         raise InvalidArgument(
             f"token field {field!r} is {value.shape[1]} wide but a row has {longest} tokens; pad it to at least the longest row"
         )
-    return to_nested(*pack(value.detach().cpu(), lens))
+    return to_nested(*pack(value.detach().cpu(), lens, empty=empty))
 
 
 def first_write(
@@ -188,7 +191,7 @@ def first_write(
     lens = _resolve_lengths(lengths, items, num_rows, need=bool(token_fields))
     if lens is not None:
         for field in token_fields:
-            items[field] = _token_column(field, items[field], lens)
+            items[field] = _token_column(field, items[field], lens, client.empty)
     per_row = (
         [dict(tags)] * num_rows
         if isinstance(tags, Mapping)
@@ -294,7 +297,7 @@ def write_columns(
             )
         lens = torch.tensor(meta.sequence_lengths, dtype=torch.int64)
         for field in tokens:
-            items[field] = _token_column(field, items[field], lens)
+            items[field] = _token_column(field, items[field], lens, client.empty)
     if meta.size == 0:
         return meta.with_fields(items)
     client.kv_batch_put(list(meta.keys), items, partition_id=meta.partition_id)

@@ -52,6 +52,25 @@ def test_pack_then_materialize_is_identity(batch: tuple[torch.Tensor, list[int],
         assert dense.shape[1] == max(lens)
 
 
+@given(padded_batches())
+@FAST
+def test_pack_gathers_into_the_given_buffer(batch: tuple[torch.Tensor, list[int], int]) -> None:
+    padded, lens, _ = batch
+    made: list[torch.Tensor] = []
+
+    def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        made.append(torch.full(shape, 1, dtype=dtype))  # not torch.empty: stale bytes must be overwritten
+        return made[-1]
+
+    values, offsets = pack(padded, lens, empty=empty)
+    want, want_offsets = pack(padded, lens)
+    assert bit_exact(values, want) and torch.equal(offsets, want_offsets)
+    if all(n == padded.shape[1] for n in lens):
+        assert not made  # a view of the padded tensor, no gather
+    else:
+        assert len(made) == 1 and values.data_ptr() == made[0].data_ptr()
+
+
 @given(padded_batches(), st.integers(1, 8), st.sampled_from([0, -1, 3]))
 @FAST
 def test_materialize_padding_rules(batch: tuple[torch.Tensor, list[int], int], multiple: int, pad: int) -> None:

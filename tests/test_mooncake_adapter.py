@@ -19,6 +19,7 @@ import dataplane
 from dataplane.adapters import _mc_handle
 from dataplane.adapters._mc_index import PartitionState
 from dataplane.adapters.mooncake import MooncakeConfig, parse_bytes
+from dataplane.columns import first_write
 from dataplane.errors import CapacityExceeded, ClientClosed, InvalidArgument, KeyNotFound
 from dataplane.store import StoreClient
 from dataplane.testing.strategies import bit_exact
@@ -235,6 +236,33 @@ class TestMooncakeAdapter:
             assert bit_exact(got["logp"], logp)
         finally:
             other.kv_clear(partition_id="zcput")
+
+    def test_first_write_gathers_padded_tokens_into_sendable_memory(
+        self, owner: StoreClient, other: StoreClient, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        ids = torch.randint(0, 150_000, (8, 4096))
+        lens = [4096, 1, 3000, 17, 2048, 4000, 5, 999]
+        store = other.store  # type: ignore[attr-defined]
+        sendable = store._sendable
+        sent: list[tuple[int, int, int]] = []  # (source ptr, sent ptr, bytes)
+
+        def spy(values: torch.Tensor) -> torch.Tensor:
+            out = sendable(values)
+            sent.append((values.data_ptr(), out.data_ptr(), values.numel() * values.element_size()))
+            return out
+
+        monkeypatch.setattr(store, "_sendable", spy)
+        meta = first_write(
+            other, {"input_ids": ids}, uids=["p0", "p1"], group_size=4, partition_id="fw",
+            token_fields=["input_ids"], lengths=lens,
+        )  # fmt: skip
+        try:
+            big = [s for s in sent if s[2] >= 8 * sum(lens)]
+            assert big and all(src == out for src, out, _ in big)  # sent from where first_write gathered it
+            got = owner.kv_batch_get(meta, select_fields="input_ids")["input_ids"]
+            assert all(bit_exact(row, ids[i, :n]) for i, (row, n) in enumerate(zip(got.unbind(), lens, strict=True)))
+        finally:
+            other.kv_clear(partition_id="fw")
 
     def test_small_subset_uses_ranged_reads_over_tcp(
         self, owner: StoreClient, other: StoreClient, monkeypatch: pytest.MonkeyPatch

@@ -8,7 +8,7 @@ into a padded tensor, or ``to_nested`` into a jagged nested tensor, without copy
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,8 +71,17 @@ def lengths_of(offsets: torch.Tensor) -> torch.Tensor:
     return torch.diff(offsets)  # one op where offsets[1:] - offsets[:-1] is three
 
 
-def pack(padded: torch.Tensor, lengths: torch.Tensor | Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def pack(
+    padded: torch.Tensor,
+    lengths: torch.Tensor | Sequence[int],
+    *,
+    empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Padded ``[B, W, *inner]`` plus valid lengths -> ``(values, offsets)``.
+
+    ``empty(shape, dtype)`` makes the buffer the valid tokens are gathered into (e.g. a client's
+    :meth:`~dataplane.client.DataPlaneClient.empty`, so a put sends it without another copy); rows
+    that all fill the width need no gather and stay a view of ``padded``.
 
     >>> v, o = pack(torch.tensor([[1, 2, 0], [3, 0, 0]]), [2, 1])
     >>> v.tolist(), o.tolist()
@@ -90,7 +99,15 @@ def pack(padded: torch.Tensor, lengths: torch.Tensor | Sequence[int]) -> tuple[t
     if b and bool((lens == w).all()):
         return padded.reshape(b * w, *padded.shape[2:]), offsets
     mask = torch.arange(w).unsqueeze(0) < lens.unsqueeze(1)
-    return padded[mask], offsets
+    if empty is None:
+        return padded[mask], offsets
+    n = int(offsets[-1])
+    values = empty((n, *padded.shape[2:]), padded.dtype)
+    if values.numel():  # gather whole tokens as bytes: every dtype, straight into ``values``
+        src = padded.reshape(b * w, -1)
+        src = (src if src.stride(-1) == 1 else src.contiguous()).view(torch.uint8)
+        torch.index_select(src, 0, mask.reshape(-1).nonzero().squeeze(1), out=values.view(n, -1).view(torch.uint8))
+    return values, offsets
 
 
 def pack_nested(
