@@ -13,6 +13,7 @@ whose transport reaches only memory it hands out (Mooncake's shared-memory clien
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from collections.abc import Callable, Mapping
@@ -110,11 +111,7 @@ class BufferPool:
 
     def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised tensor of ``shape`` and ``dtype`` backed by the pool."""
-        numel = 1
-        for d in shape:
-            numel *= d
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return self.empty(numel * itemsize).view(dtype).view(shape)
+        return self.empty(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
 
     def _take(self, size: int) -> np.ndarray | None:
         with self._lock:

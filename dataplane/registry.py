@@ -13,10 +13,12 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Any
+from typing import Any, TypeVar
 
 from dataplane.client import DataPlaneClient
 from dataplane.errors import BackendUnavailable, InvalidArgument
+
+_T = TypeVar("_T")
 
 __all__ = ["AdapterSpec", "available_adapters", "connect", "register_adapter"]
 
@@ -103,6 +105,22 @@ def available_adapters() -> dict[str, bool]:
         warnings.warn(f"dataplane: could not read {ENTRY_POINT_GROUP} entry points: {e}", stacklevel=2)
     out.update({s: True for s in _REGISTERED})
     return out
+
+
+def url_bool(raw: str) -> bool:
+    """A URL flag: 1/0, true/false, yes/no (any case); anything else is a ``ValueError``."""
+    value = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}.get(raw.lower())
+    if value is None:
+        raise ValueError(f"expected true or false, got {raw!r}")
+    return value
+
+
+def url_option(url: str, key: str, raw: str, convert: Callable[[str], _T]) -> _T:
+    """``convert(raw)`` for the query option ``key`` of ``url``; a value it rejects is an ``InvalidArgument``."""
+    try:
+        return convert(raw)
+    except (ValueError, OverflowError) as e:
+        raise InvalidArgument(f"option {key}={raw!r} of {url!r} is not valid: {e}") from None
 
 
 def _scheme_of(url_or_config: Any) -> str:

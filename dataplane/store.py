@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -116,10 +115,10 @@ class KVStore(ABC):
     def validate_keys(self, keys: Sequence[str]) -> None:  # noqa: B027 - optional hook
         """Adapter-specific key rules (raise ``InvalidArgument``); the core checks the common ones."""
 
-    def alloc(self, nbytes: int) -> torch.Tensor:
-        """``nbytes`` of uint8 host memory (64-byte aligned at least) that :meth:`put` sends without a
-        staging copy (:meth:`DataPlaneClient.empty`); by default any memory."""
-        return torch.empty(nbytes, dtype=torch.uint8)
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Host memory that :meth:`put` sends without a staging copy (:meth:`DataPlaneClient.empty`,
+        arguments already checked); by default any memory."""
+        return torch.empty(shape, dtype=dtype)
 
 
 def _finished() -> None:
@@ -372,8 +371,7 @@ class StoreClient(DataPlaneClient):
 
     def empty(self, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         self._check_open()
-        dims = check_shape(shape, dtype)
-        return self._store.alloc(math.prod(dims) * dtype.itemsize).view(dtype).view(dims)
+        return self._store.empty(check_shape(shape, dtype), dtype)
 
     def kv_clear(self, keys: Sequence[str] | None = None, *, partition_id: str) -> None:
         self._check_open()

@@ -41,6 +41,9 @@ def test_connect_errors_and_registration() -> None:
         dataplane.connect("memory")
     with pytest.raises(InvalidArgument, match="unknown memory"):
         dataplane.connect("memory://?bogus=1")
+    for bad in ("memory://?capacity_rows=lots", "memory://?capacity_bytes=1e400", "memory://?timeout_s=soon"):
+        with pytest.raises(InvalidArgument, match="is not valid"):
+            dataplane.connect(bad)
     seen = []
 
     def fake_connect(url: object, **kw: object) -> dataplane.DataPlaneClient:
@@ -88,12 +91,12 @@ def test_observed_client_events_and_snapshot() -> None:
 
 def test_empty_goes_through_the_store_and_fails_after_close() -> None:
     inner = dataplane.connect()
-    seen: list[int] = []
-    alloc = inner.store.alloc  # type: ignore[attr-defined]
-    inner.store.alloc = lambda n: seen.append(n) or alloc(n)  # type: ignore[attr-defined]
+    seen: list[tuple[tuple[int, ...], torch.dtype]] = []
+    empty = inner.store.empty  # type: ignore[attr-defined]
+    inner.store.empty = lambda shape, dtype: seen.append((shape, dtype)) or empty(shape, dtype)  # type: ignore[attr-defined]
     client = ObservedClient(inner)  # the wrapper hands out the store's memory too
-    t = client.empty((4, 3), torch.bfloat16)
-    assert t.shape == (4, 3) and t.dtype == torch.bfloat16 and seen == [24]
+    t = client.empty([4, 3], torch.bfloat16)
+    assert t.shape == (4, 3) and t.dtype == torch.bfloat16 and seen == [((4, 3), torch.bfloat16)]
     client.close()
     with pytest.raises(ClientClosed):
         client.empty(1)

@@ -44,6 +44,8 @@ def test_attach_only_and_ray_address() -> None:
         "tq://?bogus=1",
         "tq://?timeout_s=0",
         "tq://?backend=mooncake&capacity_rows=10",
+        "tq://?units=two",
+        "tq://?init_timeout_s=soon",
         "memory://",
     ],
 )

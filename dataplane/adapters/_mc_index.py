@@ -29,7 +29,7 @@ from urllib.parse import quote, unquote
 import msgpack
 import numpy as np
 
-from dataplane.errors import BackendUnavailable, SchemaError
+from dataplane.errors import BackendUnavailable, InvalidArgument, SchemaError
 from dataplane.schema import FieldSchema
 
 __all__ = [
@@ -57,7 +57,7 @@ _LAST_NS = 0
 
 def check_ns(ns: str) -> str:
     if not _NS_RE.match(ns):
-        raise ValueError(f"namespace {ns!r} must be 1-64 characters from A-Z a-z 0-9 _ -")
+        raise InvalidArgument(f"namespace {ns!r} must be 1-64 characters from A-Z a-z 0-9 _ -")
     return ns
 
 

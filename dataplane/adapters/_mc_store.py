@@ -305,7 +305,7 @@ class MooncakeStore(KVStore):
 
     def _sendable(self, values: torch.Tensor) -> torch.Tensor:
         """Contiguous ``values`` as memory a put can send: as they are over TCP, or when they already lie
-        in memory this client registered (from :meth:`alloc`, or fetched by a get: a write-back); else
+        in memory this client registered (from :meth:`empty`, or fetched by a get: a write-back); else
         copied into the pool (RDMA sends only registered memory, a shared-memory client only its shared
         memory)."""
         nbytes = values.numel() * values.element_size()
@@ -315,8 +315,8 @@ class MooncakeStore(KVStore):
         staged.copy_(values.reshape(-1).view(torch.uint8))
         return staged
 
-    def alloc(self, nbytes: int) -> torch.Tensor:
-        return self.pool.empty(nbytes) if self._stage_puts else torch.empty(nbytes, dtype=torch.uint8)
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return self.pool.tensor(shape, dtype) if self._stage_puts else torch.empty(shape, dtype=dtype)
 
     def _sendable_bytes(self, body: bytes) -> torch.Tensor:
         return self._sendable(torch.frombuffer(bytearray(body), dtype=torch.uint8))

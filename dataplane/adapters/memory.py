@@ -26,6 +26,7 @@ from dataplane.codec.jagged import offsets_from_lengths
 from dataplane.codec.wire import Column
 from dataplane.errors import CapacityExceeded, DataPlaneTimeout, InvalidArgument, missing_rows_error
 from dataplane.meta import KVBatchMeta
+from dataplane.registry import url_option
 from dataplane.schema import FieldSchema, check_compatible
 from dataplane.store import KVStore, StoreClient
 
@@ -59,9 +60,9 @@ class MemoryConfig:
         values: dict[str, Any] = {}
         for key, raw in query.items():
             if key in ("capacity_bytes", "capacity_rows"):
-                values[key] = int(float(raw))
+                values[key] = url_option(url, key, raw, lambda r: int(float(r)))
             elif key == "timeout_s":
-                values[key] = float(raw)
+                values[key] = url_option(url, key, raw, float)
             elif key == "pickle_fields":
                 values[key] = tuple(x for x in raw.split(",") if x)
             else:

@@ -99,6 +99,7 @@ from dataplane.adapters._mc_handle import AdminClient, StoreHandle
 from dataplane.adapters._mc_index import check_ns
 from dataplane.adapters._mc_store import HINT_KEY, MooncakeStore
 from dataplane.errors import BackendUnavailable, InvalidArgument
+from dataplane.registry import url_bool, url_option
 from dataplane.store import StoreClient
 
 __all__ = ["HINT_KEY", "LocalDeployment", "MooncakeConfig", "MooncakeStore", "connect"]
@@ -197,13 +198,11 @@ class MooncakeConfig:
             if key.endswith("_bytes"):
                 values[key] = parse_bytes(raw)
             elif key in ("metrics_port", "client_ttl_s"):
-                values[key] = int(raw)
+                values[key] = url_option(url, key, raw, int)
             elif key == "timeout_s":
-                values[key] = float(raw)
+                values[key] = url_option(url, key, raw, float)
             elif key == "shm":
-                if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                    raise InvalidArgument(f"shm must be true or false, got {raw!r}")
-                values[key] = raw.lower() in ("1", "true", "yes")
+                values[key] = url_option(url, key, raw, url_bool)
             elif key == "pickle_fields":
                 values[key] = tuple(x for x in raw.split(",") if x)
             else:

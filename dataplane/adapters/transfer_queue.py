@@ -48,6 +48,7 @@ from dataplane.errors import (
     InvalidArgument,
 )
 from dataplane.meta import KVBatchMeta
+from dataplane.registry import url_option
 from dataplane.store import KVStore, StoreClient
 
 __all__ = ["TQConfig", "TQStore", "attached_clients", "connect"]
@@ -115,9 +116,9 @@ class TQConfig:
         values: dict[str, Any] = {}
         for key, raw in ((k, v[-1]) for k, v in parse_qs(parsed.query).items()):
             if key in ("units", "capacity_rows", "segment_bytes", "worker_segment_bytes", "num_cpus"):
-                values[key] = int(float(raw))
+                values[key] = url_option(url, key, raw, lambda r: int(float(r)))
             elif key in ("timeout_s", "init_timeout_s"):
-                values[key] = float(raw)
+                values[key] = url_option(url, key, raw, float)
             elif key == "pickle_fields":
                 values[key] = tuple(x for x in raw.split(",") if x)
             elif key in ("backend", "master", "ray_address"):
