@@ -18,9 +18,22 @@ import torch
 from benchmarks.base import BenchBackend
 from benchmarks.workload import Batch
 
-__all__ = ["BACKENDS", "RawMooncake", "field_buffers", "real_client_of"]
+__all__ = ["BACKENDS", "FieldSpec", "RawMooncake", "field_buffers", "field_specs", "real_client_of"]
 
 SEGMENT_BYTES = 4 << 30  # ours and the raw ceiling's objects share the one store server
+
+
+FieldSpec = tuple[str, torch.dtype, tuple[int, ...], torch.Tensor | None]  # name, dtype, inner shape, offsets
+
+
+def field_specs(batch: Batch) -> list[FieldSpec]:
+    """(field, dtype, inner shape, offsets or None) of every tensor field, in :func:`field_buffers` order."""
+    out: list[FieldSpec] = []
+    for name, v in batch.fields.items():
+        if isinstance(v, torch.Tensor):
+            t = v.values() if v.is_nested else v
+            out.append((name, t.dtype, tuple(t.shape[1:]), v.offsets() if v.is_nested else None))
+    return out
 
 
 def field_buffers(batch: Batch) -> list[tuple[str, torch.Tensor]]:
@@ -100,6 +113,28 @@ class RawMooncake:
         if list(rc) != self.sizes:
             raise RuntimeError(f"raw batch_get_into failed: {rc}")
         return dt
+
+    def get_tensors(self, keys: list[str], specs: list[FieldSpec]) -> tuple[float, dict[str, torch.Tensor]]:
+        """A raw get as a user needs it: the bytes read into 64-byte aligned slots of the registered
+        buffer, then each field viewed as its dtype and shape, a jagged one made a nested tensor with
+        torch's own constructor (the tensors ``kv_batch_get`` returns). The offsets are handed in,
+        untimed; a raw user would have to move them too. Seconds and the tensors."""
+        ptrs, at = [], 0
+        base = int(self.dst.ctypes.data)
+        for n in self.sizes:
+            ptrs.append(base + at)
+            at += -(-n // 64) * 64
+        t0 = time.perf_counter()
+        rc = self.store.batch_get_into(keys, ptrs, self.sizes)
+        dst = torch.from_numpy(self.dst)
+        out: dict[str, torch.Tensor] = {}
+        for (name, dtype, inner, offsets), ptr, n in zip(specs, ptrs, self.sizes, strict=True):
+            values = dst[ptr - base : ptr - base + n].view(dtype).view(-1, *inner)
+            out[name] = values if offsets is None else torch.nested.nested_tensor_from_jagged(values, offsets)
+        dt = time.perf_counter() - t0
+        if list(rc) != self.sizes:
+            raise RuntimeError(f"raw batch_get_into failed: {rc}")
+        return dt, out
 
     def remove(self, keys: list[str]) -> None:
         self.store.batch_remove(keys, True)

@@ -36,9 +36,8 @@ def _worker(
     import torch
 
     import dataplane
-    from benchmarks.backends_mooncake import RawMooncake, field_buffers
+    from benchmarks.backends_mooncake import RawMooncake, field_buffers, field_specs
     from benchmarks.workload import in_client_memory, make_batch
-    from dataplane.testing.strategies import bit_exact
 
     try:
         client = dataplane.connect(join_url, timeout_s=TIMEOUT_S)
@@ -107,21 +106,21 @@ def _worker(
                     t0 = time.perf_counter()
                     td = c.kv_batch_get(meta, select_fields=list(meta.fields))
                     dt = time.perf_counter() - t0
-                    ok = True
-                    if verify:
-                        want = batches[size].fields
-                        for f, v in want.items():
-                            got = td[f]
-                            if isinstance(v, torch.Tensor) and v.is_nested:
-                                ok &= bit_exact(got.values(), v.values()) and torch.equal(got.offsets(), v.offsets())
-                            else:
-                                ok &= bit_exact(got, v)
+                    ok = not verify or _same(td, batches[size].fields)
                     del td
                     out = (dt, ok, inner.get("get") if url is None else None)
                 elif cmd == "clear":
                     pid, url = args
                     (client if url is None else others[url]).kv_clear(partition_id=pid)
                     out = None
+                elif cmd == "raw_tensors":  # raw get, then the tensors a raw user needs (raw_njt)
+                    size, tag, verify = args
+                    keys = [f"rawx/{tag}/{name}" for name, _ in field_buffers(batches[size])]
+                    raw.sizes = [b.numel() for _, b in field_buffers(batches[size])]
+                    dt, got = raw.get_tensors(keys, field_specs(batches[size]))
+                    ok = not verify or _same(got, batches[size].fields)
+                    del got
+                    out = (dt, ok)
                 elif cmd in ("raw_put", "raw_get"):
                     size, tag = args
                     keys = [f"rawx/{tag}/{name}" for name, _ in field_buffers(batches[size])]
@@ -162,6 +161,21 @@ def _worker(
             c.close()
         raw.close()
         client.close()
+
+
+def _same(got: Any, want: dict[str, Any]) -> bool:
+    """Whether every field of ``got`` is bit-exact with ``want`` (jagged: values and offsets)."""
+    import torch
+
+    from dataplane.testing.strategies import bit_exact
+
+    ok = True
+    for f, v in want.items():
+        if isinstance(v, torch.Tensor) and v.is_nested:
+            ok &= bit_exact(got[f].values(), v.values()) and torch.equal(got[f].offsets(), v.offsets())
+        else:
+            ok &= bit_exact(got[f], v)
+    return ok
 
 
 class _Proc:
@@ -242,6 +256,12 @@ def _rep(
         tg, ok = res if verify else (res, True)
         writer.call("raw_clear", size, tag)
         return tp, tg, ok, tp_copied, None
+    if c == "raw_njt":
+        tag += "-njt"
+        tp, _ = writer.call("raw_put", size, tag)
+        tg, ok = reader.call("raw_tensors", size, tag, verify)
+        writer.call("raw_clear", size, tag)
+        return tp, tg, ok, None, None
     url = None if c in ("ours", "ours_zc") else tq_url
     pid = f"x-{c}-{tag}"
     tp, meta, tp_in = writer.call("put", size, pid, url, c == "ours_zc")
@@ -320,7 +340,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         tq_owner.close()
                     continue
             try:
-                contenders = ["ours", "ours_zc", "raw"] + ([name] if name else [])
+                contenders = ["ours", "ours_zc", "raw", "raw_njt"] + ([name] if name else [])
                 for size in args.sizes:
                     t = times.setdefault(tq_backend or "no-tq", {}).setdefault(size, {})
                     for c in [*contenders, "ours_adapter", "raw_copied"]:
@@ -381,6 +401,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 ratios["put_ours_vs_raw_copied"] = base["ours"]["put_gbps"] / base["raw_copied"]["put_gbps"]
             if "ours_zc" in base:
                 ratios["put_ours_zc_vs_raw"] = base["ours_zc"]["put_gbps"] / base["raw"]["put_gbps"]
+            if "raw_njt" in base:
+                ratios["get_ours_vs_raw_njt"] = base["ours"]["get_gbps"] / base["raw_njt"]["get_gbps"]
+                ratios["get_raw_njt_vs_raw"] = base["raw_njt"]["get_gbps"] / base["raw"]["get_gbps"]
         # Paired: ours and raw run back to back in every repetition of every phase, so raw/ours per
         # repetition cancels the drift of a shared machine; the median over all of them.
         size_key = next(k for k, v in results.items() if v is cells)
@@ -390,10 +413,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for c in ("ours", "ours_zc"):
                 if t.get(c, {}).get("put") and t.get("raw", {}).get("put"):
                     for op in ("put", "get"):
-                        pairs.setdefault(f"{op}_{c}", [])
-                        pairs[f"{op}_{c}"] += [r / o for o, r in zip(t[c][op], t["raw"][op], strict=True)]
+                        pairs.setdefault(f"{op}_{c}_vs_raw", [])
+                        pairs[f"{op}_{c}_vs_raw"] += [r / o for o, r in zip(t[c][op], t["raw"][op], strict=True)]
+                if t.get(c, {}).get("get") and t.get("raw_njt", {}).get("get"):
+                    pairs.setdefault(f"get_{c}_vs_raw_njt", [])
+                    pairs[f"get_{c}_vs_raw_njt"] += [
+                        r / o for o, r in zip(t[c]["get"], t["raw_njt"]["get"], strict=True)
+                    ]
         for name, xs in pairs.items():
-            ratios[f"{name}_vs_raw_paired"] = statistics.median(xs)
+            ratios[f"{name}_paired"] = statistics.median(xs)
             low, high = median_ci95(xs)
             cells.setdefault("paired_ci95", {})[name] = {"low": low, "high": high, "n": len(xs)}
         for phase, cell in cells.items():
@@ -440,7 +468,10 @@ def to_markdown(report: dict[str, Any]) -> str:
         "into it first (timed), as a raw user holding tensors must when only registered memory can be sent. "
         "`ours` puts the batch from ordinary tensors (the adapter copies them into its shared memory); "
         "`ours_zc` puts the same batch built in `client.empty()` memory, like raw's (sent with no copy). "
-        "Both read it back the same way.",
+        "Both read it back the same way. `raw_njt` is raw's get plus what a raw user must add to hold the "
+        "batch as the tensors `kv_batch_get` returns: each field viewed as its dtype, each jagged one made a "
+        "nested tensor with torch's `nested_tensor_from_jagged` (the offsets are handed to it untimed; a raw "
+        "user would have to move them too). Its put is raw's.",
         "",
         "`*_ours_vs_raw` compare medians from the phase without TransferQueue (no Ray running); "
         "`*_ours_vs_raw_paired` is the median, over every repetition of every phase, of raw/ours timed back to "

@@ -88,6 +88,28 @@ def test_reader_processes_get_the_batch(tmp_path: Path) -> None:
     assert r["readers"] == 2 and r["get_gbps"] > 0
 
 
+@pytest.mark.slow
+@pytest.mark.mooncake
+@pytest.mark.multiprocess
+@pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake is not installed")
+def test_mooncake_xproc_contenders_are_bit_exact(tmp_path: Path) -> None:
+    """Every contender of the between-process benchmark, raw_njt's nested tensors included, reads the
+    writer's batch back bit-exact, and the ratios the closing notes quote are computed."""
+    out = tmp_path / "xproc"
+    subprocess.run(
+        [sys.executable, "-m", "benchmarks.mooncake_xproc", "--sizes", "1", "--fields", "5", "--repeat", "2",
+         "--warmup", "0", "--no-tq", "--segment-gib", "1", "--out", str(out)],
+        cwd=ROOT, check=True, timeout=600, capture_output=True,
+    )  # fmt: skip
+    report = json.loads(out.with_suffix(".json").read_text())
+    cells = report["results"]["1MB"]
+    assert cells["bit_exact"] == {"ours": True, "ours_zc": True, "raw": True, "raw_njt": True}, cells["bit_exact"]
+    ratios = cells["ratios"]
+    for name in ("get_ours_vs_raw", "get_ours_vs_raw_njt", "get_raw_njt_vs_raw", "get_ours_vs_raw_njt_paired"):
+        assert ratios[name] > 0, name
+    assert "raw_njt" in out.with_suffix(".md").read_text()
+
+
 def test_median_confidence_interval_is_the_binomial_order_statistics() -> None:
     from benchmarks.mooncake_xproc import median_ci95
 
