@@ -474,8 +474,9 @@ def to_markdown(report: dict[str, Any]) -> str:
         "user would have to move them too). Its put is raw's.",
         "",
         "`*_ours_vs_raw` compare medians from the phase without TransferQueue (no Ray running); "
-        "`*_ours_vs_raw_paired` is the median, over every repetition of every phase, of raw/ours timed back to "
-        "back in that repetition (the drift of a shared 2-core machine cancels). Each TQ ratio compares with "
+        "`*_vs_raw_paired` (`*_vs_raw_njt_paired`) is the median, over every repetition of every phase, of "
+        "raw/ours (raw_njt/ours) timed back to back in that repetition (the drift of a shared 2-core machine "
+        "cancels). Each TQ ratio compares with "
         "ours measured in that TQ's phase (Ray and its actors running, so every figure there is slower).",
         "",
         "| size | phase | contender | put ms | get ms | put GB/s | get GB/s | bit-exact |",
@@ -501,7 +502,7 @@ def to_markdown(report: dict[str, Any]) -> str:
         ci = cells.get("paired_ci95", {})
         if ci:
             lines.append(
-                f"- {size}: 95% confidence interval of the paired median (raw/ours, distribution-free): "
+                f"- {size}: 95% confidence interval of the paired median (baseline/ours, distribution-free): "
                 + ", ".join(f"{op} {v['low']:.2f}–{v['high']:.2f} (n={v['n']})" for op, v in ci.items())
                 + "."
             )
