@@ -26,24 +26,23 @@ SEGMENT_BYTES = 4 << 30  # ours and the raw ceiling's objects share the one stor
 FieldSpec = tuple[str, torch.dtype, tuple[int, ...], torch.Tensor | None]  # name, dtype, inner shape, offsets
 
 
-def field_specs(batch: Batch) -> list[FieldSpec]:
-    """(field, dtype, inner shape, offsets or None) of every tensor field, in :func:`field_buffers` order."""
-    out: list[FieldSpec] = []
+def _tensor_fields(batch: Batch) -> list[tuple[str, torch.Tensor, torch.Tensor | None]]:
+    """(field, values, offsets or None) of every tensor field: one object each in the adapter."""
+    out = []
     for name, v in batch.fields.items():
         if isinstance(v, torch.Tensor):
-            t = v.values() if v.is_nested else v
-            out.append((name, t.dtype, tuple(t.shape[1:]), v.offsets() if v.is_nested else None))
+            out.append((name, v.values(), v.offsets()) if v.is_nested else (name, v, None))
     return out
+
+
+def field_specs(batch: Batch) -> list[FieldSpec]:
+    """(field, dtype, inner shape, offsets or None) of every tensor field, in :func:`field_buffers` order."""
+    return [(name, t.dtype, tuple(t.shape[1:]), offsets) for name, t, offsets in _tensor_fields(batch)]
 
 
 def field_buffers(batch: Batch) -> list[tuple[str, torch.Tensor]]:
     """(field, contiguous uint8 view) of every field the adapter would store as one object."""
-    out = []
-    for name, v in batch.fields.items():
-        if isinstance(v, torch.Tensor):
-            t = v.values() if v.is_nested else v
-            out.append((name, t.contiguous().reshape(-1).view(torch.uint8)))
-    return out
+    return [(name, t.contiguous().reshape(-1).view(torch.uint8)) for name, t, _ in _tensor_fields(batch)]
 
 
 class RawMooncake:
@@ -91,11 +90,12 @@ class RawMooncake:
             self.sizes.append(b.numel())
             at += b.numel()
 
-    def _ptrs(self, arr: np.ndarray) -> list[int]:
+    def _ptrs(self, arr: np.ndarray, align: int = 1) -> list[int]:
+        """Where each object of ``self.sizes`` goes in ``arr``: back to back, each start ``align``-aligned."""
         base, at, out = int(arr.ctypes.data), 0, []
         for n in self.sizes:
             out.append(base + at)
-            at += n
+            at += -(-n // align) * align
         return out
 
     def put(self, keys: list[str]) -> float:
@@ -119,11 +119,8 @@ class RawMooncake:
         buffer, then each field viewed as its dtype and shape, a jagged one made a nested tensor with
         torch's own constructor (the tensors ``kv_batch_get`` returns). The offsets are handed in,
         untimed; a raw user would have to move them too. Seconds and the tensors."""
-        ptrs, at = [], 0
         base = int(self.dst.ctypes.data)
-        for n in self.sizes:
-            ptrs.append(base + at)
-            at += -(-n // 64) * 64
+        ptrs = self._ptrs(self.dst, align=64)
         t0 = time.perf_counter()
         rc = self.store.batch_get_into(keys, ptrs, self.sizes)
         dst = torch.from_numpy(self.dst)
