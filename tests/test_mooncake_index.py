@@ -11,12 +11,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dataplane.adapters._mc_handle import error_for
+from dataplane.adapters._mc_handle import _lines, error_for
 from dataplane.adapters._mc_index import (
     PartitionState,
     PutIndex,
     decode_index,
     encode_index,
+    index_lines,
     index_prefix,
     make_index,
     new_put_id,
@@ -74,6 +75,22 @@ def test_index_key_parsing() -> None:
     assert parse_index_key(f"{prefix}0001-w.42", prefix) == ("0001-w", 42)
     for bad in (f"{prefix}0001-w", f"{prefix}x/y.3", f"{prefix}.3", f"{prefix}a.b"):
         assert parse_index_key(bad, prefix) is None
+
+
+def test_listing_keeps_only_this_namespaces_index_keys() -> None:
+    mine = [f"{index_prefix('ns', p)}0001-w.4" for p in ("a/i", "b")]
+    others = [
+        f"{partition_prefix('ns', 'b')}d/0001-w/f",  # a data object
+        f"{index_prefix('ns2', 'b')}0001-w.4",  # another namespace
+        f"x{index_prefix('ns', 'b')}0001-w.4",  # ours only from the middle of the line
+        "kv/cache/i/block-7",
+        "",
+    ]
+    for order in (mine + others, others + mine, [others[0], mine[0], others[1], mine[1], others[2]]):
+        body = "\n".join(order).encode()
+        assert sorted(_lines(body, index_lines("ns"))) == sorted(mine)
+        assert _lines(body, None) == order  # no pattern: every line
+    assert _lines(b"", index_lines("ns")) == []
 
 
 def test_index_round_trip_and_make_index_agree() -> None:

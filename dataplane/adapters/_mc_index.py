@@ -40,6 +40,7 @@ __all__ = [
     "data_key",
     "decode_index",
     "encode_index",
+    "index_lines",
     "index_prefix",
     "make_index",
     "new_put_id",
@@ -96,6 +97,12 @@ def new_put_id(writer: str) -> str:
         t = max(time.time_ns(), _LAST_NS + 1)
         _LAST_NS = t
     return f"{t:019d}-{writer}"
+
+
+def index_lines(ns: str) -> re.Pattern[bytes]:
+    """Finds the index keys of namespace ``ns`` (every partition) in a ``/get_all_keys`` answer with a
+    newline put in front (see :func:`dataplane.adapters._mc_handle._lines`)."""
+    return re.compile(rb"\n(" + re.escape(ns.encode()) + rb"/[^/\n]+/i/[^\n]*)")
 
 
 def parse_index_key(key: str, prefix: str) -> tuple[str, int] | None:

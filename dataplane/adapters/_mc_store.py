@@ -41,6 +41,7 @@ from dataplane.adapters._mc_index import (
     data_key,
     decode_index,
     encode_index,
+    index_lines,
     index_prefix,
     make_index,
     new_put_id,
@@ -118,6 +119,7 @@ class MooncakeStore(KVStore):
         self.admin = admin
         self.ns = ns
         self.writer = writer
+        self._index_lines = index_lines(ns)  # listings keep only this namespace's index keys
         # puts are copied into the pool (see _sendable); TCP also reads into unregistered memory
         self._stage_puts = protocol != "tcp" or handle.shm is not None
         if handle.shm is not None:
@@ -222,7 +224,7 @@ class MooncakeStore(KVStore):
         left = deadline - time.monotonic()
         if left <= 0:
             raise DataPlaneTimeout("Mooncake call ran out of time; raise timeout_s")
-        return self.admin.start_all_keys(left)
+        return self.admin.start_all_keys(left, self._index_lines)
 
     # -- put -------------------------------------------------------------------------------------
     def put(
