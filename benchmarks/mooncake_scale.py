@@ -29,10 +29,10 @@ FILLER_BYTES = 64
 
 
 def _fill(raw: Any, have: int, target: int) -> None:
-    """Put foreign objects ``other/{have..target-1}`` (64 bytes each, hard-pinned) with raw Mooncake."""
+    """Put foreign objects ``filler/{have..target-1}`` (64 bytes each, hard-pinned) with raw Mooncake."""
     ptr = int(raw.src.ctypes.data)
     for lo in range(have, target, 1000):
-        keys = [f"other/{i}" for i in range(lo, min(lo + 1000, target))]
+        keys = [f"filler/{i}" for i in range(lo, min(lo + 1000, target))]
         codes = raw.store.batch_put_from(keys, [ptr] * len(keys), [FILLER_BYTES] * len(keys), raw.cfg)
         if any(c != 0 for c in codes):
             raise RuntimeError(f"filling the master failed: {sorted(set(codes))}")
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 keep = i >= args.warmup
                 pid = f"scale{level}_{i}"
                 t0 = time.perf_counter()
-                n_keys = len(admin.all_keys(30.0))
+                n_keys = sum(1 for k in admin.all_keys(30.0) if k)
                 t1 = time.perf_counter()
                 meta = writer.kv_batch_put(batch.keys, batch.fields, partition_id=pid)
                 t2 = time.perf_counter()
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "listed_keys": n_keys,
                 **{f"{k}_ms": statistics.median(v) * 1e3 for k, v in t.items()},
             }
-            print(f"{level:>7} other objects: " + ", ".join(f"{k} {v:.2f}" for k, v in results[str(level)].items()))
+            print(f"{level:>7} other objects: " + ", ".join(f"{k} {v:.4g}" for k, v in results[str(level)].items()))
         return {
             "benchmark": "mooncake_scale",
             "config": {
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
     finally:
         admin.close()
-        raw.store.remove_by_regex("^other/", True)
+        raw.store.remove_by_regex("^filler/", True)
         raw.close()
         reader.close()
         writer.close()

@@ -110,6 +110,24 @@ def test_mooncake_xproc_contenders_are_bit_exact(tmp_path: Path) -> None:
     assert "raw_njt" in out.with_suffix(".md").read_text()
 
 
+@pytest.mark.slow
+@pytest.mark.mooncake
+@pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake is not installed")
+def test_mooncake_scale_benchmark_fills_the_master_and_reads_back(tmp_path: Path) -> None:
+    """The scaling benchmark puts the foreign objects it reports (its gets check bit-exactness)."""
+    out = tmp_path / "scale"
+    subprocess.run(
+        [sys.executable, "-m", "benchmarks.mooncake_scale", "--levels", "0,300", "--repeat", "2", "--warmup", "0",
+         "--segment-mib", "256", "--out", str(out)],
+        cwd=ROOT, check=True, timeout=600, capture_output=True,
+    )  # fmt: skip
+    results = json.loads(out.with_suffix(".json").read_text())["results"]
+    assert [results[level]["listed_keys"] for level in ("0", "300")] == [0, 300]
+    for r in results.values():
+        assert min(r["put_ms"], r["get_ms"], r["raw_get_ms"], r["listing_ms"]) > 0
+    assert "| 300 | 300 |" in out.with_suffix(".md").read_text()
+
+
 def test_median_confidence_interval_is_the_binomial_order_statistics() -> None:
     from benchmarks.mooncake_xproc import median_ci95
 
