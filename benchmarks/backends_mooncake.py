@@ -68,6 +68,7 @@ class RawMooncake:
         self.cfg = ReplicateConfig()
         self.cfg.with_hard_pin = True
         self.src, self.dst = (self._arena(arena_bytes, bool(real_client)) for _ in range(2))
+        self._tail = 0  # where stage_tensors' values end in src (put_tensors stages offsets after them)
         for arr in (self.src, self.dst):
             arr[:] = 1  # pre-faulted
             if self.store.register_buffer(arr.ctypes.data, arr.nbytes) != 0:
@@ -114,22 +115,92 @@ class RawMooncake:
             raise RuntimeError(f"raw batch_get_into failed: {rc}")
         return dt
 
-    def get_tensors(self, keys: list[str], specs: list[FieldSpec]) -> tuple[float, dict[str, torch.Tensor]]:
-        """A raw get as a user needs it: the bytes read into 64-byte aligned slots of the registered
-        buffer, then each field viewed as its dtype and shape, a jagged one made a nested tensor with
-        torch's own constructor (the tensors ``kv_batch_get`` returns). The offsets are handed in,
-        untimed; a raw user would have to move them too. Seconds and the tensors."""
-        base = int(self.dst.ctypes.data)
-        ptrs = self._ptrs(self.dst, align=64)
-        t0 = time.perf_counter()
-        rc = self.store.batch_get_into(keys, ptrs, self.sizes)
-        dst = torch.from_numpy(self.dst)
+    def stage_tensors(self, specs: list[FieldSpec], buffers: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The batch as ``kv_batch_put`` takes it (a jagged field a nested tensor; fields that share
+        offsets share them), its values in 64-byte aligned slots of the registered source arena (where
+        :meth:`load` puts the bytes-only contender's batch): untimed setup, like the ``client.empty()``
+        batch ``ours_zc`` puts."""
+        arena = torch.from_numpy(self.src)
         out: dict[str, torch.Tensor] = {}
-        for (name, dtype, inner, offsets), ptr, n in zip(specs, ptrs, self.sizes, strict=True):
-            values = dst[ptr - base : ptr - base + n].view(dtype).view(-1, *inner)
+        at = 0
+        for (name, dtype, inner, offsets), (_, b) in zip(specs, buffers, strict=True):
+            slot = arena[at : at + b.numel()]
+            np.copyto(slot.numpy(), b.numpy())  # one thread, as load(): no OpenMP workers spin into the put
+            values = slot.view(dtype).view(-1, *inner)
             out[name] = values if offsets is None else torch.nested.nested_tensor_from_jagged(values, offsets)
+            at += -(-b.numel() // 64) * 64
+        self._tail = at
+        return out
+
+    def put_tensors(self, prefix: str, fields: dict[str, torch.Tensor]) -> tuple[float, list[str]]:
+        """A raw put of what ``kv_batch_put`` takes, as a raw user must make it: each field's values
+        (already in registered memory, from :meth:`stage_tensors`) as object ``{prefix}{field}``, and
+        each distinct offsets tensor, copied into registered memory, as ``{prefix}{field}.offsets`` of
+        the first field that has it. Seconds (from the tensors to the end of ``batch_put_from``) and
+        the keys written."""
+        t0 = time.perf_counter()
+        arena = torch.from_numpy(self.src)
+        keys: list[str] = []
+        ptrs: list[int] = []
+        sizes: list[int] = []
+        staged: set[int] = set()
+        at = self._tail
+        for name, t in fields.items():
+            values = t
+            if t.is_nested:
+                values, offsets = t.values(), t.offsets()
+                if id(offsets) not in staged:
+                    staged.add(id(offsets))
+                    nbytes = offsets.numel() * 8
+                    slot = arena[at : at + nbytes]
+                    slot.view(torch.int64).copy_(offsets)
+                    keys.append(f"{prefix}{name}.offsets")
+                    ptrs.append(slot.data_ptr())
+                    sizes.append(nbytes)
+                    at += -(-nbytes // 64) * 64
+            keys.append(prefix + name)
+            ptrs.append(values.data_ptr())
+            sizes.append(values.numel() * values.element_size())
+        rc = self.store.batch_put_from(keys, ptrs, sizes, self.cfg)
         dt = time.perf_counter() - t0
-        if list(rc) != self.sizes:
+        if any(c != 0 for c in rc):
+            raise RuntimeError(f"raw batch_put_from failed: {rc}")
+        return dt, keys
+
+    def get_tensors(
+        self, prefix: str, specs: list[FieldSpec], sizes: list[int], rows: int
+    ) -> tuple[float, dict[str, torch.Tensor]]:
+        """A raw get as a user needs it, of what :meth:`put_tensors` wrote: every values object and
+        offsets object read in one ``batch_get_into`` into 64-byte aligned slots of the registered
+        buffer, then each field viewed as its dtype and shape, a jagged one made a nested tensor with
+        torch's own constructor over the offsets just read (the tensors ``kv_batch_get`` returns).
+        The reader knows the schema (``specs``: which fields share offsets), the values' byte
+        ``sizes`` and the row count, as a raw user's code would. Seconds and the tensors."""
+        owner: dict[int, str] = {}  # id(offsets) -> the first field that has it (names its object)
+        for name, _, _, offsets in specs:
+            if offsets is not None:
+                owner.setdefault(id(offsets), name)
+        keys = [prefix + name for name, *_ in specs] + [f"{prefix}{n}.offsets" for n in owner.values()]
+        want = [*sizes, *[(rows + 1) * 8] * len(owner)]
+        base, at, ptrs = int(self.dst.ctypes.data), 0, []
+        for n in want:
+            ptrs.append(base + at)
+            at += -(-n // 64) * 64
+        t0 = time.perf_counter()
+        rc = self.store.batch_get_into(keys, ptrs, want)
+        dst = torch.from_numpy(self.dst)
+        read = {
+            n: dst[p - base : p - base + (rows + 1) * 8].view(torch.int64)
+            for n, p in zip(owner.values(), ptrs[len(specs) :], strict=True)
+        }
+        out: dict[str, torch.Tensor] = {}
+        for (name, dtype, inner, offsets), ptr, n in zip(specs, ptrs[: len(specs)], sizes, strict=True):
+            values = dst[ptr - base : ptr - base + n].view(dtype).view(-1, *inner)
+            out[name] = (
+                values if offsets is None else torch.nested.nested_tensor_from_jagged(values, read[owner[id(offsets)]])
+            )
+        dt = time.perf_counter() - t0
+        if list(rc) != want:
             raise RuntimeError(f"raw batch_get_into failed: {rc}")
         return dt, out
 

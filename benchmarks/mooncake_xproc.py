@@ -3,7 +3,8 @@
 A writer process puts an RL-shaped batch (``benchmarks.workload.make_batch``); a different reader
 process gets it by the meta the writer returned. The same two processes also move the same bytes
 with raw Mooncake (``batch_put_from`` / ``batch_get_into`` between registered buffers, one object per
-field, same master and store server), and, where available, through the TransferQueue adapter
+field, same master and store server: ``raw`` moves bytes only, ``raw_njt`` starts from and ends with
+the nested tensors the API takes and returns), and, where available, through the TransferQueue adapter
 (``tq://?backend=mooncake`` and ``tq://?backend=simple``). Every repetition runs every contender
 once, in rotating order, so drift on a shared machine hits them alike; medians after warm-up.
 
@@ -49,6 +50,7 @@ def _worker(
     batches: dict[int, Any] = {}
     in_memory: dict[int, Any] = {}  # the same batches built in client.empty memory (sent with no copy)
     inner: dict[str, float] = {}  # seconds of the last adapter-level (KVStore) put / get
+    njt_keys: dict[str, list[str]] = {}  # tag -> the objects of a raw_njt put (values and offsets)
 
     def _timed(name: str, fn: Any) -> Any:
         def wrapper(*a: Any, **k: Any) -> Any:
@@ -113,12 +115,17 @@ def _worker(
                     pid, url = args
                     (client if url is None else others[url]).kv_clear(partition_id=pid)
                     out = None
+                elif cmd == "raw_njt_put":  # raw put of the batch as kv_batch_put takes it (raw_njt)
+                    size, tag = args
+                    b = batches[size]
+                    fields = raw.stage_tensors(field_specs(b), field_buffers(b))
+                    out, njt_keys[tag] = raw.put_tensors(f"rawx/{tag}/", fields)
                 elif cmd == "raw_tensors":  # raw get, then the tensors a raw user needs (raw_njt)
                     size, tag, verify = args
-                    keys = [f"rawx/{tag}/{name}" for name, _ in field_buffers(batches[size])]
-                    raw.sizes = [b.numel() for _, b in field_buffers(batches[size])]
-                    dt, got = raw.get_tensors(keys, field_specs(batches[size]))
-                    ok = not verify or _same(got, batches[size].fields)
+                    b = batches[size]
+                    sizes = [buf.numel() for _, buf in field_buffers(b)]
+                    dt, got = raw.get_tensors(f"rawx/{tag}/", field_specs(b), sizes, len(b.keys))
+                    ok = not verify or _same(got, b.fields)
                     del got
                     out = (dt, ok)
                 elif cmd in ("raw_put", "raw_get"):
@@ -137,7 +144,8 @@ def _worker(
                         out = (out, bool((raw.dst[:n] == want_bytes).all()))
                 elif cmd == "raw_clear":
                     size, tag = args
-                    raw.remove([f"rawx/{tag}/{name}" for name, _ in field_buffers(batches[size])])
+                    keys = njt_keys.pop(tag, None) or [f"rawx/{tag}/{n}" for n, _ in field_buffers(batches[size])]
+                    raw.remove(keys)
                     out = None
                 elif cmd == "connect":
                     url, env = args
@@ -258,7 +266,7 @@ def _rep(
         return tp, tg, ok, tp_copied, None
     if c == "raw_njt":
         tag += "-njt"
-        tp, _ = writer.call("raw_put", size, tag)
+        tp = writer.call("raw_njt_put", size, tag)
         tg, ok = reader.call("raw_tensors", size, tag, verify)
         writer.call("raw_clear", size, tag)
         return tp, tg, ok, None, None
@@ -404,6 +412,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if "raw_njt" in base:
                 ratios["get_ours_vs_raw_njt"] = base["ours"]["get_gbps"] / base["raw_njt"]["get_gbps"]
                 ratios["get_raw_njt_vs_raw"] = base["raw_njt"]["get_gbps"] / base["raw"]["get_gbps"]
+                ratios["put_raw_njt_vs_raw"] = base["raw_njt"]["put_gbps"] / base["raw"]["put_gbps"]
+                if "ours_zc" in base:
+                    ratios["put_ours_zc_vs_raw_njt"] = base["ours_zc"]["put_gbps"] / base["raw_njt"]["put_gbps"]
         # Paired: ours and raw run back to back in every repetition of every phase, so raw/ours per
         # repetition cancels the drift of a shared machine; the median over all of them.
         size_key = next(k for k, v in results.items() if v is cells)
@@ -416,10 +427,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         pairs.setdefault(f"{op}_{c}_vs_raw", [])
                         pairs[f"{op}_{c}_vs_raw"] += [r / o for o, r in zip(t[c][op], t["raw"][op], strict=True)]
                 if t.get(c, {}).get("get") and t.get("raw_njt", {}).get("get"):
-                    pairs.setdefault(f"get_{c}_vs_raw_njt", [])
-                    pairs[f"get_{c}_vs_raw_njt"] += [
-                        r / o for o, r in zip(t[c]["get"], t["raw_njt"]["get"], strict=True)
-                    ]
+                    for op in ("put", "get"):
+                        pairs.setdefault(f"{op}_{c}_vs_raw_njt", [])
+                        pairs[f"{op}_{c}_vs_raw_njt"] += [
+                            r / o for o, r in zip(t[c][op], t["raw_njt"][op], strict=True)
+                        ]
         for name, xs in pairs.items():
             ratios[f"{name}_paired"] = statistics.median(xs)
             low, high = median_ci95(xs)
@@ -468,10 +480,14 @@ def to_markdown(report: dict[str, Any]) -> str:
         "into it first (timed), as a raw user holding tensors must when only registered memory can be sent. "
         "`ours` puts the batch from ordinary tensors (the adapter copies them into its shared memory); "
         "`ours_zc` puts the same batch built in `client.empty()` memory, like raw's (sent with no copy). "
-        "Both read it back the same way. `raw_njt` is raw's get plus what a raw user must add to hold the "
-        "batch as the tensors `kv_batch_get` returns: each field viewed as its dtype, each jagged one made a "
-        "nested tensor with torch's `nested_tensor_from_jagged` (the offsets are handed to it untimed; a raw "
-        "user would have to move them too). Its put is raw's.",
+        "Both read it back the same way. `raw_njt` is raw Mooncake used on what the API takes and returns: "
+        "its put starts from the batch as `kv_batch_put` takes it (nested tensors whose values already lie "
+        "in registered memory, like ours_zc's) and writes each field's values and each distinct offsets "
+        "tensor (copied into registered memory) with one `batch_put_from`; its get reads them back with one "
+        "`batch_get_into` and makes the tensors `kv_batch_get` returns: each field viewed as its dtype, each "
+        "jagged one a nested tensor from torch's `nested_tensor_from_jagged` over the offsets it read. It "
+        "knows the schema and row count without asking (a raw user's code would), and keeps no index, "
+        "schema check or validation.",
         "",
         "`*_ours_vs_raw` compare medians from the phase without TransferQueue (no Ray running); "
         "`*_vs_raw_paired` (`*_vs_raw_njt_paired`) is the median, over every repetition of every phase, of "

@@ -93,8 +93,9 @@ def test_reader_processes_get_the_batch(tmp_path: Path) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake is not installed")
 def test_mooncake_xproc_contenders_are_bit_exact(tmp_path: Path) -> None:
-    """Every contender of the between-process benchmark, raw_njt's nested tensors included, reads the
-    writer's batch back bit-exact, and the ratios the closing notes quote are computed."""
+    """Every contender of the between-process benchmark reads the writer's batch back bit-exact (raw_njt:
+    the nested tensors it put, values and offsets, rebuilt from what it read), and the ratios the
+    closing notes quote are computed."""
     out = tmp_path / "xproc"
     subprocess.run(
         [sys.executable, "-m", "benchmarks.mooncake_xproc", "--sizes", "1", "--fields", "5", "--repeat", "2",
@@ -105,7 +106,15 @@ def test_mooncake_xproc_contenders_are_bit_exact(tmp_path: Path) -> None:
     cells = report["results"]["1MB"]
     assert cells["bit_exact"] == {"ours": True, "ours_zc": True, "raw": True, "raw_njt": True}, cells["bit_exact"]
     ratios = cells["ratios"]
-    for name in ("get_ours_vs_raw", "get_ours_vs_raw_njt", "get_raw_njt_vs_raw", "get_ours_vs_raw_njt_paired"):
+    for name in (
+        "get_ours_vs_raw",
+        "get_ours_vs_raw_njt",
+        "get_raw_njt_vs_raw",
+        "get_ours_vs_raw_njt_paired",
+        "put_ours_zc_vs_raw_njt",
+        "put_raw_njt_vs_raw",
+        "put_ours_zc_vs_raw_njt_paired",
+    ):
         assert ratios[name] > 0, name
     assert "raw_njt" in out.with_suffix(".md").read_text()
 
