@@ -183,12 +183,16 @@ def encode_index(
     op: Literal["put", "del"] = "put",
 ) -> bytes:
     """msgpack of an index object. ``fields``: name -> (schema, nbytes, element offsets or None)."""
+    blobs: dict[int, bytes] = {}  # fields sharing one offsets array: serialized once (equal bytes)
+    for _, _, off in fields.values():
+        if off is not None and id(off) not in blobs:
+            blobs[id(off)] = off.astype("<i8").tobytes()
     body = {
         "v": INDEX_VERSION,
         "op": op,
         "keys": list(keys),
         "fields": {
-            name: {"s": schema.to_dict(), "n": int(n), "o": None if off is None else off.astype("<i8").tobytes()}
+            name: {"s": schema.to_dict(), "n": int(n), "o": None if off is None else blobs[id(off)]}
             for name, (schema, n, off) in fields.items()
         },
         "tags": None if tags is None else [dict(t) for t in tags],

@@ -273,10 +273,15 @@ class MooncakeStore(KVStore):
         head = partition_prefix(self.ns, partition_id)
         entries: dict[str, tuple[FieldSchema, int, np.ndarray | None]] = {}
         plan = _PlannedPut(put_id, keys, tags, entries)
+        arrays: dict[int, np.ndarray] = {}  # fields sharing one offsets tensor share one array (and index bytes)
         for name, col in columns.items():
             values = col.values.contiguous()
             nbytes = values.numel() * values.element_size()
-            offsets = None if col.offsets is None else col.offsets.numpy().astype(np.int64, copy=False)
+            offsets = None
+            if col.offsets is not None:
+                offsets = arrays.get(id(col.offsets))
+                if offsets is None:
+                    offsets = arrays[id(col.offsets)] = col.offsets.numpy().astype(np.int64, copy=False)
             entries[name] = (col.schema, nbytes, offsets)
             if not nbytes:  # Mooncake cannot store 0 bytes: no object, the index says 0
                 continue
@@ -321,7 +326,12 @@ class MooncakeStore(KVStore):
         return self.pool.tensor(shape, dtype) if self._stage_puts else torch.empty(shape, dtype=dtype)
 
     def _sendable_bytes(self, body: bytes) -> torch.Tensor:
-        return self._sendable(torch.frombuffer(bytearray(body), dtype=torch.uint8))
+        """``body`` in memory a put can send (one numpy copy: this is on every put's path)."""
+        if not self._stage_puts:
+            return torch.frombuffer(bytearray(body), dtype=torch.uint8)
+        staged = self.pool.empty(len(body))
+        staged.numpy()[:] = np.frombuffer(body, dtype=np.uint8)
+        return staged
 
     def _write(self, keys: list[str], ptrs: list[int], sizes: list[int], partition_id: str, deadline: float) -> None:
         """All-or-nothing hard-pinned upsert; retries transfer/RPC failures (a dead server's segment)."""
