@@ -15,7 +15,6 @@ a second client, and raw Mooncake's ``batch_get_into`` of the same bytes (which 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -152,14 +151,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from benchmarks.workload import write_report
+
     args = parse_args(argv)
     report = run(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    md = to_markdown(report)
-    out.with_suffix(".md").write_text(md)
-    print(md)
+    write_report(args.out, report, to_markdown(report))
     return 0
 
 

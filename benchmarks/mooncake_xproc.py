@@ -15,7 +15,6 @@ once, in rotating order, so drift on a shared machine hits them alike; medians a
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import multiprocessing as mp
 import os
@@ -550,14 +549,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from benchmarks.workload import write_report
+
     args = parse_args(argv)
     report = run(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    md = to_markdown(report)
-    out.with_suffix(".md").write_text(md)
-    print(md)
+    write_report(args.out, report, to_markdown(report))
     return 0
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -128,3 +130,12 @@ def human_bytes(n: float) -> str:
 def median(xs: list[float]) -> float:
     s = sorted(xs)
     return s[len(s) // 2] if s else math.nan
+
+
+def write_report(out: str, report: dict[str, Any], markdown: str) -> None:
+    """``out`` + ``.json`` (the report) and ``out`` + ``.md`` (``markdown``), then print the markdown."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    path.with_suffix(".md").write_text(markdown)
+    print(markdown)
