@@ -12,7 +12,7 @@ import torch
 
 from dataplane.errors import SchemaError
 
-__all__ = ["FieldKind", "FieldSchema", "SchemaRegistry", "dtype_from_name", "dtype_name"]
+__all__ = ["FieldKind", "FieldSchema", "SchemaRegistry", "dtype_from_name", "dtype_name", "schema_of"]
 
 FieldKind = Literal["dense", "jagged", "object"]
 ObjectCodecName = Literal["msgpack", "pickle"]
@@ -46,10 +46,13 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
+_NAMES = {d: n for n, d in _DTYPES.items()}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``; raises SchemaError for dtypes we cannot store."""
-    name = str(dtype).removeprefix("torch.")
-    if _DTYPES.get(name) is not dtype:
+    name = _NAMES.get(dtype)
+    if name is None:
         raise SchemaError(f"dtype {dtype} is not supported; convert the tensor to one of {sorted(_DTYPES)}")
     return name
 
@@ -119,6 +122,12 @@ class FieldSchema:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> FieldSchema:
         return _schema_of(d["kind"], d["dtype"], tuple(d["inner_shape"]), d.get("codec"))
+
+
+@functools.lru_cache(maxsize=1024)  # every put of a job repeats the same few schemas
+def schema_of(kind: FieldKind, dtype: torch.dtype, inner_shape: tuple[int, ...]) -> FieldSchema:
+    """``FieldSchema(kind=kind, dtype=dtype, inner_shape=inner_shape)``, made once per distinct value."""
+    return FieldSchema(kind=kind, dtype=dtype, inner_shape=inner_shape)
 
 
 @functools.lru_cache(maxsize=1024)  # every index object a reader decodes repeats the same few schemas

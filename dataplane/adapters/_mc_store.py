@@ -275,8 +275,8 @@ class MooncakeStore(KVStore):
         plan = _PlannedPut(put_id, keys, tags, entries)
         arrays: dict[int, np.ndarray] = {}  # fields sharing one offsets tensor share one array (and index bytes)
         for name, col in columns.items():
-            values = col.values.contiguous()
-            nbytes = values.numel() * values.element_size()
+            values = col.values if col.values.is_contiguous() else col.values.contiguous()
+            nbytes = values.nbytes
             offsets = None
             if col.offsets is not None:
                 offsets = arrays.get(id(col.offsets))

@@ -195,7 +195,8 @@ def _pack_jagged(
     if ragged_idx != 1:
         raise SchemaError("jagged nested tensors must be ragged in dim 1 (rows of [L_i, *inner])")
     key = id(offsets)  # of the caller's tensor, alive as long as its nested tensor
-    offsets = offsets.to(torch.int64)
+    if offsets.dtype is not torch.int64:
+        offsets = offsets.to(torch.int64)
     if holes is not None:  # non-contiguous jagged (with holes): gather rows
         cuts, lens = offsets.tolist(), holes.tolist()
         rows = [values[cuts[i] : cuts[i] + lens[i]] for i in range(len(lens))]

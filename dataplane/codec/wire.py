@@ -27,19 +27,24 @@ from dataplane.codec.jagged import (
 )
 from dataplane.codec.objects import decode_objects, encode_objects
 from dataplane.errors import InvalidArgument, SchemaError
-from dataplane.schema import FieldSchema, dtype_name
+from dataplane.schema import FieldSchema, dtype_name, schema_of
 
 __all__ = ["Column", "Layout", "decode_columns", "encode_fields", "tensordict_of", "validate_field_name"]
 
 Layout = Literal["jagged", "padded"]
 _FIELD_RE = re.compile(r"^[A-Za-z0-9_.:@+=/-]{1,200}$")
+_VALID_NAMES: set[str] = set()  # names that passed, at most 4096
 
 
 def validate_field_name(name: object) -> str:
+    if type(name) is str and name in _VALID_NAMES:  # field names repeat on every call
+        return name
     if not isinstance(name, str) or not _FIELD_RE.match(name):
         raise SchemaError(
             f"field name {name!r} is not allowed: use 1-200 characters from A-Z a-z 0-9 and _ . : @ + = / -"
         )
+    if type(name) is str and len(_VALID_NAMES) < 4096:
+        _VALID_NAMES.add(name)
     return name
 
 
@@ -78,7 +83,7 @@ class Column:
 def _as_tensor_leaf(field: str, value: torch.Tensor) -> torch.Tensor:
     if value.requires_grad:
         value = value.detach()
-    if value.device.type != "cpu":
+    if not value.is_cpu:
         value = value.cpu()
     dtype_name(value.dtype)  # raises SchemaError for unsupported dtypes
     return value
@@ -101,8 +106,8 @@ def _column_from(
         value = value.tolist() if value.dtype == object else torch.from_numpy(np.ascontiguousarray(value))
     if is_jagged_nested(value):  # before any tensor property: each is a __torch_function__ round on a nested tensor
         values, offsets = pack_nested(value, seen=seen)
-        values, offsets = _as_tensor_leaf(field, values), offsets.cpu()
-        schema = FieldSchema(kind="jagged", dtype=values.dtype, inner_shape=tuple(values.shape[1:]))
+        values, offsets = _as_tensor_leaf(field, values), (offsets if offsets.is_cpu else offsets.cpu())
+        schema = schema_of("jagged", values.dtype, tuple(values.shape[1:]))
         col = Column(schema, values, offsets)
     elif isinstance(value, torch.Tensor):
         t = _as_tensor_leaf(field, value)
@@ -113,7 +118,7 @@ def _column_from(
         else:
             if t.dim() == 0:
                 raise SchemaError(f"field {field!r} is a 0-d tensor; per-row fields need a leading batch dim")
-            schema = FieldSchema(kind="dense", dtype=t.dtype, inner_shape=tuple(t.shape[1:]))
+            schema = schema_of("dense", t.dtype, tuple(t.shape[1:]))
             col = Column(schema, t)
     elif isinstance(value, (list, tuple)):
         if value and all(isinstance(v, torch.Tensor) for v in value):
