@@ -91,10 +91,11 @@ class RawMooncake:
             self.sizes.append(b.numel())
             at += b.numel()
 
-    def _ptrs(self, arr: np.ndarray, align: int = 1) -> list[int]:
-        """Where each object of ``self.sizes`` goes in ``arr``: back to back, each start ``align``-aligned."""
+    def _ptrs(self, arr: np.ndarray, align: int = 1, sizes: list[int] | None = None) -> list[int]:
+        """Where each object of ``sizes`` (default ``self.sizes``) goes in ``arr``: back to back, each
+        start ``align``-aligned."""
         base, at, out = int(arr.ctypes.data), 0, []
-        for n in self.sizes:
+        for n in self.sizes if sizes is None else sizes:
             out.append(base + at)
             at += -(-n // align) * align
         return out
@@ -182,10 +183,7 @@ class RawMooncake:
                 owner.setdefault(id(offsets), name)
         keys = [prefix + name for name, *_ in specs] + [f"{prefix}{n}.offsets" for n in owner.values()]
         want = [*sizes, *[(rows + 1) * 8] * len(owner)]
-        base, at, ptrs = int(self.dst.ctypes.data), 0, []
-        for n in want:
-            ptrs.append(base + at)
-            at += -(-n // 64) * 64
+        base, ptrs = int(self.dst.ctypes.data), self._ptrs(self.dst, align=64, sizes=want)
         t0 = time.perf_counter()
         rc = self.store.batch_get_into(keys, ptrs, want)
         dst = torch.from_numpy(self.dst)
