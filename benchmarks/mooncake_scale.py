@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import dataplane
     from benchmarks.backends_mooncake import RawMooncake, field_buffers, real_client_of
     from benchmarks.put_get import machine_info
-    from benchmarks.workload import make_batch
+    from benchmarks.workload import make_batch, same_fields
     from dataplane.adapters._mc_handle import AdminClient
 
     batch = make_batch(args.size_mb * MB, args.fields, seed=0)
@@ -70,11 +70,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 t2 = time.perf_counter()
                 got = reader.kv_batch_get(meta, select_fields=list(meta.fields))
                 t3 = time.perf_counter()
-                ok = all(
-                    bool((got[f].values() == v.values()).all()) if v.is_nested else bool((got[f] == v).all())
-                    for f, v in batch.fields.items()
-                )
-                if not ok:
+                if not same_fields(got, batch.fields):
                     raise AssertionError(f"level {level}: the get did not return the batch bit-exact")
                 del got
                 writer.kv_clear(partition_id=pid)

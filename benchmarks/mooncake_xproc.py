@@ -37,7 +37,7 @@ def _worker(
 
     import dataplane
     from benchmarks.backends_mooncake import RawMooncake, field_buffers, field_specs
-    from benchmarks.workload import in_client_memory, make_batch
+    from benchmarks.workload import in_client_memory, make_batch, same_fields
 
     try:
         client = dataplane.connect(join_url, timeout_s=TIMEOUT_S)
@@ -107,7 +107,7 @@ def _worker(
                     t0 = time.perf_counter()
                     td = c.kv_batch_get(meta, select_fields=list(meta.fields))
                     dt = time.perf_counter() - t0
-                    ok = not verify or _same(td, batches[size].fields)
+                    ok = not verify or same_fields(td, batches[size].fields)
                     del td
                     out = (dt, ok, inner.get("get") if url is None else None)
                 elif cmd == "clear":
@@ -124,7 +124,7 @@ def _worker(
                     b = batches[size]
                     sizes = [buf.numel() for _, buf in field_buffers(b)]
                     dt, got = raw.get_tensors(f"rawx/{tag}/", field_specs(b), sizes, len(b.keys))
-                    ok = not verify or _same(got, b.fields)
+                    ok = not verify or same_fields(got, b.fields)
                     del got
                     out = (dt, ok)
                 elif cmd in ("raw_put", "raw_get"):
@@ -168,21 +168,6 @@ def _worker(
             c.close()
         raw.close()
         client.close()
-
-
-def _same(got: Any, want: dict[str, Any]) -> bool:
-    """Whether every field of ``got`` is bit-exact with ``want`` (jagged: values and offsets)."""
-    import torch
-
-    from dataplane.testing.strategies import bit_exact
-
-    ok = True
-    for f, v in want.items():
-        if isinstance(v, torch.Tensor) and v.is_nested:
-            ok &= bit_exact(got[f].values(), v.values()) and torch.equal(got[f].offsets(), v.offsets())
-        else:
-            ok &= bit_exact(got[f], v)
-    return ok
 
 
 class _Proc:

@@ -139,3 +139,18 @@ def write_report(out: str, report: dict[str, Any], markdown: str) -> None:
     path.with_suffix(".json").write_text(json.dumps(report, indent=1))
     path.with_suffix(".md").write_text(markdown)
     print(markdown)
+
+
+def same_fields(got: Any, want: dict[str, Any]) -> bool:
+    """Whether every field of ``want`` (tensors only) is bit-exact in ``got`` (jagged: values and offsets)."""
+    from dataplane.testing.strategies import bit_exact
+
+    ok = True
+    for f, v in want.items():
+        if not isinstance(v, torch.Tensor):
+            raise TypeError(f"same_fields compares tensor fields; {f!r} is {type(v).__name__}")
+        if v.is_nested:
+            ok &= bit_exact(got[f].values(), v.values()) and torch.equal(got[f].offsets(), v.offsets())
+        else:
+            ok &= bit_exact(got[f], v)
+    return ok
