@@ -534,12 +534,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.workload import write_report
+    from benchmarks.workload import bench_main
 
-    args = parse_args(argv)
-    report = run(args)
-    write_report(args.out, report, to_markdown(report))
-    return 0
+    return bench_main(argv, parse_args, run, to_markdown)
 
 
 if __name__ == "__main__":

@@ -132,13 +132,18 @@ def median(xs: list[float]) -> float:
     return s[len(s) // 2] if s else math.nan
 
 
-def write_report(out: str, report: dict[str, Any], markdown: str) -> None:
-    """``out`` + ``.json`` (the report) and ``out`` + ``.md`` (``markdown``), then print the markdown."""
-    path = Path(out)
+def bench_main(argv: list[str] | None, parse_args: Any, run: Any, to_markdown: Any) -> int:
+    """A results benchmark's ``main``: parse, run, write ``--out`` + ``.json`` (the report) and
+    ``.md`` (its markdown), print the markdown."""
+    args = parse_args(argv)
+    report = run(args)
+    markdown = to_markdown(report)
+    path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.with_suffix(".json").write_text(json.dumps(report, indent=1))
     path.with_suffix(".md").write_text(markdown)
     print(markdown)
+    return 0
 
 
 def same_fields(got: Any, want: dict[str, Any]) -> bool:
