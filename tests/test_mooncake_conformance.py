@@ -60,8 +60,9 @@ def _join(**options: Any) -> DataPlaneClient:
 
 class TestMooncakeConformance(ClientConformance):
     @pytest.fixture(scope="class")
-    def client(self, deployment: Any) -> Iterator[DataPlaneClient]:  # one per deployment (mode)
-        c = self.make_client()
+    @classmethod
+    def client(cls, deployment: Any) -> Iterator[DataPlaneClient]:  # one per deployment (mode)
+        c = cls().make_client()
         yield c
         c.close()
 

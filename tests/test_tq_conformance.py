@@ -31,8 +31,9 @@ class _TQConformance(ClientConformance):
     url = ""
 
     @pytest.fixture(scope="class", autouse=True)
-    def deployment(self, ray_cluster: None) -> Iterator[DataPlaneClient]:
-        owner = dataplane.connect(self.url)
+    @classmethod
+    def deployment(cls, ray_cluster: None) -> Iterator[DataPlaneClient]:
+        owner = dataplane.connect(cls.url)
         yield owner
         owner.close()
 

@@ -100,8 +100,9 @@ class _Multiprocess:
     url = ""
 
     @pytest.fixture(scope="class")
-    def owner(self, ray_cluster: None) -> Iterator[DataPlaneClient]:
-        client = dataplane.connect(self.url)
+    @classmethod
+    def owner(cls, ray_cluster: None) -> Iterator[DataPlaneClient]:
+        client = dataplane.connect(cls.url)
         yield client
         client.close()
 

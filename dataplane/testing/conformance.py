@@ -64,8 +64,9 @@ class ClientConformance:
 
     # -- fixtures -------------------------------------------------------------------------------
     @pytest.fixture(scope="class")
-    def client(self) -> Iterator[DataPlaneClient]:
-        c = self.make_client()
+    @classmethod
+    def client(cls) -> Iterator[DataPlaneClient]:  # a classmethod: pytest 9.1+ deprecates class-scoped instance methods
+        c = cls().make_client()
         yield c
         c.close()
 
