@@ -9,9 +9,11 @@ the closed state. Adapters enforce the per-(partition, field) schema atomically 
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import logging
+import os
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -31,7 +33,7 @@ from dataplane.client import (
 )
 from dataplane.codec.jagged import lengths_of
 from dataplane.codec.wire import Column, Layout, decode_columns, encode_fields, validate_field_name
-from dataplane.errors import ClientClosed, DataPlaneError, InvalidArgument, SchemaError
+from dataplane.errors import ClientClosed, DataPlaneError, DataPlaneTimeout, InvalidArgument, SchemaError
 from dataplane.meta import KVBatchMeta
 
 __all__ = ["KVStore", "StoreClient"]
@@ -123,6 +125,53 @@ class KVStore(ABC):
 
 def _finished() -> None:
     return None
+
+
+DECODE_THREAD_ENV = "DATAPLANE_DECODE_THREAD"
+_MIN_CPUS_BESIDE = 4
+
+
+def decode_beside() -> bool:
+    """Whether a get decodes on a helper thread while its transfer runs: ``$DATAPLANE_DECODE_THREAD``
+    = ``1`` or ``0``, or ``auto`` (the default): on when this process may run on at least 4 CPUs. On
+    fewer, the helper's Python competes with the transfer for the cores and gains nothing."""
+    mode = os.environ.get(DECODE_THREAD_ENV, "auto").strip().lower()
+    if mode in ("1", "on", "true", "yes"):
+        return True
+    if mode in ("0", "off", "false", "no"):
+        return False
+    if mode != "auto":
+        raise InvalidArgument(f"${DECODE_THREAD_ENV}={mode!r}: set it to auto, 1 or 0 (or unset it)")
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cpus = os.cpu_count() or 1
+    return cpus >= _MIN_CPUS_BESIDE
+
+
+class _Beside:
+    """One helper thread, started on first use (again in a forked child, which has none)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pid = 0
+
+    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        pool = self._pool
+        if pool is None or self._pid != os.getpid():
+            with self._lock:
+                if self._pool is None or self._pid != os.getpid():
+                    self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dataplane-decode")
+                    self._pid = os.getpid()
+                pool = self._pool
+        return pool.submit(fn)
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None and self._pid == os.getpid():
+            pool.shutdown(wait=False)
 
 
 def _check_partition(partition_id: object) -> str:
@@ -240,6 +289,7 @@ class StoreClient(DataPlaneClient):
         self._on_close = list(on_close)
         self._closed = False
         self._close_lock = threading.Lock()
+        self._beside = _Beside() if decode_beside() else None
 
     @property
     def store(self) -> KVStore:
@@ -331,6 +381,8 @@ class StoreClient(DataPlaneClient):
         if layout == "padded" or any(c.schema.kind == "object" for c in columns.values()):
             again = finish()  # padding and object decoding read the bytes: they must have landed
             return decode(columns if again is None else again)
+        if finish is not _finished and self._beside is not None:
+            return self._decode_beside(decode, columns, finish)
         try:  # jagged and dense fields only wrap the buffers: decode before the bytes land
             out = decode(columns)
         except BaseException:
@@ -338,6 +390,37 @@ class StoreClient(DataPlaneClient):
                 finish()
             raise
         again = finish()
+        return out if again is None else decode(again)
+
+    def _decode_beside(
+        self,
+        decode: Callable[[Mapping[str, Column]], TensorDict],
+        columns: Mapping[str, Column],
+        finish: Callable[[], Mapping[str, Column] | None],
+    ) -> TensorDict:
+        """Decode on the helper thread while this one waits in ``finish`` (the transfer, which holds
+        no GIL): the decode then costs the get nothing. Submitted just before ``finish``, so this thread
+        runs no Python the helper could hold it up in."""
+        assert self._beside is not None
+        grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+        def run() -> TensorDict:  # autograd modes are per thread: the caller's apply
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                return decode(columns)
+
+        done = self._beside.submit(run)
+        try:
+            again = finish()
+        except BaseException:
+            with contextlib.suppress(BaseException):  # the decode only wraps the buffers; let it end first
+                done.result(timeout=self.timeout_s)
+            raise
+        try:
+            out = done.result(timeout=self.timeout_s)  # an adapter bug's error surfaces here
+        except concurrent.futures.TimeoutError:
+            raise DataPlaneTimeout(
+                f"decoding a get took over timeout_s={self.timeout_s}s; the host is overloaded, or raise timeout_s"
+            ) from None
         return out if again is None else decode(again)
 
     def _decode(
@@ -390,6 +473,8 @@ class StoreClient(DataPlaneClient):
                 return
             self._closed = True
         try:
+            if self._beside is not None:
+                self._beside.close()
             self._store.close()
         finally:
             for fn in self._on_close:

@@ -7,6 +7,7 @@ import importlib.util
 import subprocess
 import sys
 import textwrap
+import threading
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ from dataplane.adapters import _mc_handle
 from dataplane.adapters._mc_index import PartitionState
 from dataplane.adapters.mooncake import MooncakeConfig, parse_bytes
 from dataplane.columns import first_write
-from dataplane.errors import CapacityExceeded, ClientClosed, InvalidArgument, KeyNotFound
+from dataplane.errors import BackendUnavailable, CapacityExceeded, ClientClosed, InvalidArgument, KeyNotFound
 from dataplane.store import StoreClient
 from dataplane.testing.strategies import bit_exact
 
@@ -34,6 +35,10 @@ needs_mooncake = [
 
 def _jagged(rows: list[torch.Tensor]) -> torch.Tensor:
     return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+
+
+def _failing_read(*args: Any) -> list[int]:
+    raise BackendUnavailable("planted read failure")
 
 
 # -- configuration (no Mooncake needed) -----------------------------------------------------------
@@ -340,6 +345,43 @@ class TestMooncakeAdapter:
             assert [r.numel() for r in got.unbind()] == [0, 0]
         finally:
             owner.kv_clear(partition_id="empty")
+
+    def test_decode_beside_the_transfer_matches_decode_before_it(
+        self, owner: StoreClient, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        rows = [torch.arange(n, dtype=torch.int32) for n in (3, 0, 5)]
+        fields = {"ids": _jagged(rows), "m": _jagged([r % 2 for r in rows]), "r": torch.tensor([1.0, 2.0, 3.0])}
+        meta = owner.kv_batch_put(["a", "b", "c"], fields, partition_id="beside")
+        threads: list[str] = []
+        decode = dataplane.store.decode_columns
+
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            threads.append(threading.current_thread().name)
+            return decode(*args, **kwargs)
+
+        monkeypatch.setattr(dataplane.store, "decode_columns", spy)
+        got: dict[str, Any] = {}
+        try:
+            for mode in ("0", "1"):
+                monkeypatch.setenv("DATAPLANE_DECODE_THREAD", mode)
+                with dataplane.connect(owner.store.join_url) as c:  # type: ignore[attr-defined]
+                    assert (c._beside is not None) == (mode == "1")  # type: ignore[attr-defined]
+                    with torch.inference_mode():  # the caller's autograd mode holds on the helper thread
+                        got[mode] = c.kv_batch_get(meta, select_fields=["ids", "m", "r"])
+                    plain = c.kv_batch_get(meta, select_fields=["ids", "m", "r"])
+                    assert not plain["ids"].is_inference() and not plain["r"].is_inference()
+                    monkeypatch.setattr(c.store.handle, "get_into", _failing_read)  # type: ignore[attr-defined]
+                    with pytest.raises(BackendUnavailable, match="planted"):  # finish's error, typed
+                        c.kv_batch_get(meta, select_fields=["ids"])
+        finally:
+            owner.kv_clear(partition_id="beside")
+        assert threads[0] == threading.current_thread().name
+        assert threads[3].startswith("dataplane-decode")
+        for mode in ("0", "1"):
+            assert bit_exact(got[mode]["r"], fields["r"])
+            assert [r.tolist() for r in got[mode]["ids"].unbind()] == [r.tolist() for r in rows]
+            assert got[mode]["ids"]._offsets is got[mode]["m"]._offsets
+            assert got[mode]["ids"].is_inference() and got[mode]["r"].is_inference()
 
     def test_closed_handle_raises_instead_of_crashing(self, owner: StoreClient) -> None:
         c = dataplane.connect(owner.store.join_url)  # type: ignore[attr-defined]

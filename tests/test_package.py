@@ -13,6 +13,7 @@ import torch
 import dataplane
 from dataplane.bufpool import BufferPool
 from dataplane.errors import BackendUnavailable, ClientClosed, InvalidArgument
+from dataplane.hostcopy import copy_bytes
 from dataplane.observability import CallEvent, ObservedClient
 from dataplane.registry import AdapterSpec
 
@@ -100,6 +101,39 @@ def test_empty_goes_through_the_store_and_fails_after_close() -> None:
     client.close()
     with pytest.raises(ClientClosed):
         client.empty(1)
+
+
+def test_decode_thread_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DATAPLANE_DECODE_THREAD", "sometimes")
+    with pytest.raises(InvalidArgument, match="auto, 1 or 0"):
+        dataplane.connect()
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    for mode, on in (("1", True), ("off", False), ("auto", False)):
+        monkeypatch.setenv("DATAPLANE_DECODE_THREAD", mode)
+        with dataplane.connect() as c:
+            assert (c._beside is not None) is on  # type: ignore[attr-defined]
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    with dataplane.connect() as c:  # auto, with spare cores
+        assert c._beside is not None  # type: ignore[attr-defined]
+        assert c.kv_batch_get(  # a store that moves no bytes in finish decodes in line
+            c.kv_batch_put(["a"], {"x": torch.ones(1)}, partition_id="p"), select_fields="x"
+        )["x"].tolist() == [1.0]
+        assert c._beside._pool is None  # type: ignore[attr-defined]  # its helper thread never started
+
+
+def test_copy_bytes_is_exact_for_any_size_and_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))  # split over helper threads
+    for n in (0, 1, 4097, (4 << 20) - 3, (9 << 20) + 5, 17 << 20):
+        src = torch.randint(0, 256, (n,), dtype=torch.uint8)
+        dst = torch.zeros(n, dtype=torch.uint8)
+        copy_bytes(dst, src)
+        assert torch.equal(dst, src), n
+    src = torch.randn(3 << 20, dtype=torch.bfloat16, requires_grad=True)  # 6 MiB, two pieces
+    dst = torch.empty(src.numel() * 2, dtype=torch.uint8)
+    copy_bytes(dst, src)
+    assert torch.equal(dst.view(torch.bfloat16), src.detach())
+    with pytest.raises(ValueError, match="bytes into"):
+        copy_bytes(torch.empty(3, dtype=torch.uint8), torch.empty(1, dtype=torch.float32))
 
 
 def test_buffer_pool_reuses_slabs_only_after_release() -> None:

@@ -62,6 +62,7 @@ from dataplane.errors import (
     KeyNotFound,
     missing_rows_error,
 )
+from dataplane.hostcopy import copy_bytes
 from dataplane.meta import KVBatchMeta
 from dataplane.schema import FieldSchema, check_compatible
 from dataplane.store import KVStore
@@ -319,7 +320,7 @@ class MooncakeStore(KVStore):
         if not self._stage_puts or self.handle.reaches(values.data_ptr(), nbytes):
             return values
         staged = self.pool.empty(nbytes)
-        staged.copy_(values.reshape(-1).view(torch.uint8))
+        copy_bytes(staged, values)  # not torch's copy_: its spinning threads would slow the send that follows
         return staged
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -374,12 +375,15 @@ class MooncakeStore(KVStore):
         timeout_s: float,
     ) -> tuple[Mapping[str, Column], Callable[[], Mapping[str, Column] | None]]:
         """Plan the read and hand the columns out before any byte moves; ``finish`` moves them. The
-        client decodes meanwhile, while its caches are warm: right after a large transfer the same
-        Python work runs 3-5x slower on a small VM.
+        client decodes before (or, on a host with spare cores, beside) ``finish``: right after a large
+        transfer the same Python work runs 3-5x slower on a small VM.
 
         A get of exactly the rows of the meta's put is planned from the meta alone, while the master
-        answers the listing; ``finish`` checks the listing before reading, and resolves afresh (new
-        columns) when the store has changed since that put."""
+        answers the listing. ``finish`` reads first and checks the listing after, so that nothing but
+        the transfer holds the caller's thread once the client's decode has started beside it. The
+        read is safe before the check: a put's objects never change, and one removed meanwhile fails
+        the read. When the listing shows the store changed since that put, ``finish`` resolves afresh
+        and reads again (new columns)."""
         deadline = time.monotonic() + timeout_s
         listing = self._start_listing(deadline)
         part = self._part(partition_id)
@@ -392,15 +396,21 @@ class MooncakeStore(KVStore):
         cols, fill = self.reader.plan(resolved)
 
         def finish() -> Mapping[str, Column] | None:
-            if hinted is not None:
-                lines = listing()
-                if not self._only_put(partition_id, part, hinted, lines):  # the store changed since that put
-                    return self._get_checked(partition_id, part, keys, fields, hints, deadline, lines)
             try:
                 fill(deadline)
             except Vanished:  # a concurrent clear removed an object: resolve and read again
                 return self._get_checked(partition_id, part, keys, fields, hints, deadline)
-            return None
+            if hinted is None:
+                return None
+            lines = listing()
+            if self._only_put(partition_id, part, hinted, lines):
+                return None
+            # Other puts or tombstones are listed: what was read stands if that put still holds the
+            # newest value of every row read (a later put of other fields, say); else read again.
+            resolved = self._resolve(partition_id, part, keys, fields, hints, lines, deadline)
+            if all(r.whole is not None and r.whole.put_id == hinted.put_id for r in resolved.values()):
+                return None
+            return self._get_checked(partition_id, part, keys, fields, hints, deadline, lines, resolved)
 
         return cols, finish
 
@@ -456,13 +466,15 @@ class MooncakeStore(KVStore):
         hints: Mapping[str, PutIndex],
         deadline: float,
         lines: list[str] | None = None,
+        resolved: dict[str, Resolved] | None = None,
     ) -> Mapping[str, Column]:
-        """List (unless given the listing ``lines``), resolve, read; again if an object vanished under
-        the read (a concurrent clear)."""
+        """List (unless given the listing ``lines``), resolve (unless given what ``lines`` resolve to),
+        read; again if an object vanished under the read (a concurrent clear)."""
         for attempt in range(_ATTEMPTS):
             if lines is None or attempt:
                 lines = self._listing(deadline)
-            resolved = self._resolve(partition_id, part, keys, fields, hints, lines, deadline)
+            if resolved is None or attempt:
+                resolved = self._resolve(partition_id, part, keys, fields, hints, lines, deadline)
             try:
                 return self.reader.read(resolved, deadline)
             except Vanished:
