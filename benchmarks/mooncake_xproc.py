@@ -439,12 +439,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "transport": "shared memory (real client)" if args.shm else "loopback TCP",
             "rows": "64 below 8 MB, else 256 (make_batch)",
             "phases": [p or "no-tq" for p in phases],
+            "decode_thread": _decode_beside(),  # the reader's gets decode beside their transfer
         },
         "machine": {**machine_info(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
         "targets": {"put_ours_zc_vs_raw": ">= 0.9", "get_ours_vs_raw": ">= 0.9", "get_ours_vs_tq": ">= 1.5"},
         "notes": notes,
         "results": results,
     }
+
+
+def _decode_beside() -> bool:
+    from dataplane.store import decode_beside
+
+    return decode_beside()
+
+
+def _on_off(flag: bool | None) -> str:
+    return "not recorded" if flag is None else ("on" if flag else "off")
 
 
 def to_markdown(report: dict[str, Any]) -> str:
@@ -458,7 +469,8 @@ def to_markdown(report: dict[str, Any]) -> str:
         f"Batches: `make_batch(size, {report['config']['fields']} fields)` (jagged token fields + a [B] reward); "
         f"writer and reader are separate spawned processes, the store server a third; medians of "
         f"{report['config']['repeat']} after {report['config']['warmup']} warm-up, contenders interleaved. "
-        f"Transport: {report['config']['transport']}.",
+        f"Transport: {report['config']['transport']}. Decode beside the transfer "
+        f"(`$DATAPLANE_DECODE_THREAD`): {_on_off(report['config'].get('decode_thread'))}.",
         "",
         "`raw` puts from a registered buffer the batch already sits in; `raw_copied` also copies the batch "
         "into it first (timed), as a raw user holding tensors must when only registered memory can be sent. "
