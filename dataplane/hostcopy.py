@@ -3,9 +3,10 @@
 ``torch.Tensor.copy_`` of a large CPU tensor runs on torch's OpenMP pool, whose threads keep
 spinning for a while after the copy. When a transfer follows at once (a put staging its tensors into
 registered memory, then sending them), those spinning threads take the cores the transport's own
-threads need: on a 16-core host a 16 MB put after a torch copy took 2-3x the copy-free put. Here a
-copy runs on numpy, which holds no GIL while it moves bytes, split over a few threads of our own
-that sleep when idle.
+threads need. On a 16-core host a 16 MB Mooncake put of ordinary tensors, staged with torch, ran at
+0.46-0.67 of a raw put that makes the same copy with numpy; staged here, at 0.84. A copy here runs
+on numpy, which holds no GIL while it moves bytes, split over a few threads of our own that sleep
+when idle.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import threading
 import numpy as np
 import torch
 
-__all__ = ["copy_bytes"]
+__all__ = ["copy_bytes", "usable_cpus"]
 
 _SPLIT_MIN = 4 << 20  # copies from this size on are split; each piece is at least this large
 _MAX_THREADS = 4  # memory-bound: a few threads reach the host's copy bandwidth
@@ -28,12 +29,16 @@ _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pool_pid = 0
 
 
-def _threads() -> int:
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity, not the host's count)."""
     try:
-        cpus = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
-        cpus = os.cpu_count() or 1
-    return max(1, min(_MAX_THREADS, cpus))
+        return os.cpu_count() or 1
+
+
+def _threads() -> int:
+    return max(1, min(_MAX_THREADS, usable_cpus()))
 
 
 def _helpers() -> concurrent.futures.ThreadPoolExecutor:

@@ -34,6 +34,7 @@ from dataplane.client import (
 from dataplane.codec.jagged import lengths_of
 from dataplane.codec.wire import Column, Layout, decode_columns, encode_fields, validate_field_name
 from dataplane.errors import ClientClosed, DataPlaneError, DataPlaneTimeout, InvalidArgument, SchemaError
+from dataplane.hostcopy import usable_cpus
 from dataplane.meta import KVBatchMeta
 
 __all__ = ["KVStore", "StoreClient"]
@@ -142,11 +143,7 @@ def decode_beside() -> bool:
         return False
     if mode != "auto":
         raise InvalidArgument(f"${DECODE_THREAD_ENV}={mode!r}: set it to auto, 1 or 0 (or unset it)")
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cpus = os.cpu_count() or 1
-    return cpus >= _MIN_CPUS_BESIDE
+    return usable_cpus() >= _MIN_CPUS_BESIDE
 
 
 class _Beside:
