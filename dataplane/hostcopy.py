@@ -70,6 +70,6 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     pending = [pool.submit(np.copyto, d[at : at + step], s[at : at + step]) for at in range(step, n, step)]
     try:
         np.copyto(d[:step], s[:step])
-    finally:
+    finally:  # no timeout: a memcpy always ends, and returning early would free bytes still being written
         for f in pending:
             f.result()
