@@ -85,6 +85,8 @@ def _as_tensor_leaf(field: str, value: torch.Tensor) -> torch.Tensor:
         value = value.detach()
     if not value.is_cpu:
         value = value.cpu()
+    if value.is_conj() or value.is_neg():  # a lazy view: its memory holds other values than it means
+        value = value.resolve_conj().resolve_neg()
     dtype_name(value.dtype)  # raises SchemaError for unsupported dtypes
     return value
 

@@ -100,6 +100,22 @@ class ClientConformance:
         for i, r in enumerate(rows):
             assert bit_exact(padded[i, : r.shape[0]], r)
 
+    def test_conjugate_and_negative_views_are_stored_as_their_values(self, client: DataPlaneClient, pid: str) -> None:
+        z = random_tensor((4, 3), torch.complex64, 3)
+        v = random_tensor((5,), torch.complex64, 4)
+        fields = {
+            "conj": z.conj(),  # torch's conjugate bit: the memory holds z, the tensor means conj(z)
+            "neg": z.conj().imag,  # the negative bit
+            "jag": torch.nested.nested_tensor_from_jagged(v.conj(), torch.tensor([0, 2, 2, 4, 5])),
+        }
+        assert fields["conj"].is_conj() and fields["neg"].is_neg() and fields["jag"].values().is_conj()
+        keys = ["a", "b", "c", "d"]
+        client.kv_batch_put(keys, fields, partition_id=pid)
+        out = client.kv_batch_get(keys, partition_id=pid, select_fields=["conj", "neg", "jag"])
+        assert torch.equal(out["conj"], z.conj().resolve_conj())
+        assert torch.equal(out["neg"], -z.imag)
+        assert torch.equal(out["jag"].values(), v.conj().resolve_conj())
+
     def test_fields_with_equal_lengths_share_a_ragged_dim(self, client: DataPlaneClient, pid: str) -> None:
         lens = (3, 1, 5)
         logp = [torch.randn(n) for n in lens]
