@@ -81,6 +81,10 @@ class Column:
 
 
 def _as_tensor_leaf(field: str, value: torch.Tensor) -> torch.Tensor:
+    if value.layout is not torch.strided and not value.is_nested:
+        raise SchemaError(f"field {field!r} is a {value.layout} tensor; store it dense (value.to_dense())")
+    if value.is_meta:
+        raise SchemaError(f"field {field!r} is a meta tensor, which holds no data; materialize it first")
     if value.requires_grad:
         value = value.detach()
     if not value.is_cpu:

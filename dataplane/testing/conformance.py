@@ -322,6 +322,8 @@ class ClientConformance:
             ("bad field name", SchemaError, ["a", "b"], {"bad name": t}),
             ("empty fields", InvalidArgument, ["a", "b"], {}),
             ("second field bad", SchemaError, ["a", "b"], {"ok_new": t, "x": t.int()}),
+            ("sparse tensor", SchemaError, ["a", "b"], {"y": torch.eye(2).to_sparse()}),
+            ("meta tensor", SchemaError, ["a", "b"], {"y": torch.empty(2, 3, device="meta")}),
         ]
 
     def test_bad_puts_raise_typed_and_change_nothing(self, client: DataPlaneClient, pid: str) -> None:
