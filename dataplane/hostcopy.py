@@ -11,43 +11,22 @@ when idle.
 
 from __future__ import annotations
 
-import concurrent.futures
-import os
-import threading
-
 import numpy as np
 import torch
 
-__all__ = ["copy_bytes", "usable_cpus"]
+from dataplane._threads import LazyPool, usable_cpus
+
+__all__ = ["copy_bytes"]
 
 _SPLIT_MIN = 4 << 20  # copies from this size on are split; each piece is at least this large
 _MAX_THREADS = 4  # memory-bound: a few threads reach the host's copy bandwidth
 _PAGE = 4096
 
-_lock = threading.Lock()
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_pool_pid = 0
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity, not the host's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
+_HELPERS = LazyPool(_MAX_THREADS - 1, "dataplane-copy")
 
 
 def _threads() -> int:
     return max(1, min(_MAX_THREADS, usable_cpus()))
-
-
-def _helpers() -> concurrent.futures.ThreadPoolExecutor:
-    global _pool, _pool_pid
-    with _lock:
-        if _pool is None or _pool_pid != os.getpid():  # none yet, or a forked child's copy of none
-            _pool = concurrent.futures.ThreadPoolExecutor(_MAX_THREADS - 1, thread_name_prefix="dataplane-copy")
-            _pool_pid = os.getpid()
-        return _pool
 
 
 def _as_bytes(t: torch.Tensor) -> np.ndarray:
@@ -66,8 +45,7 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
         np.copyto(d, s)
         return
     step = -(-n // parts // _PAGE) * _PAGE
-    pool = _helpers()
-    pending = [pool.submit(np.copyto, d[at : at + step], s[at : at + step]) for at in range(step, n, step)]
+    pending = [_HELPERS.submit(np.copyto, d[at : at + step], s[at : at + step]) for at in range(step, n, step)]
     try:
         np.copyto(d[:step], s[:step])
     finally:  # no timeout: a memcpy always ends, and returning early would free bytes still being written

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from dataplane._threads import LazyPool, usable_cpus
 from dataplane.client import (
     Capabilities,
     DataPlaneClient,
@@ -34,7 +35,6 @@ from dataplane.client import (
 from dataplane.codec.jagged import lengths_of
 from dataplane.codec.wire import Column, Layout, decode_columns, encode_fields, validate_field_name
 from dataplane.errors import ClientClosed, DataPlaneError, DataPlaneTimeout, InvalidArgument, SchemaError
-from dataplane.hostcopy import usable_cpus
 from dataplane.meta import KVBatchMeta
 
 __all__ = ["KVStore", "StoreClient"]
@@ -144,31 +144,6 @@ def decode_beside() -> bool:
     if mode != "auto":
         raise InvalidArgument(f"${DECODE_THREAD_ENV}={mode!r}: set it to auto, 1 or 0 (or unset it)")
     return usable_cpus() >= _MIN_CPUS_BESIDE
-
-
-class _Beside:
-    """One helper thread, started on first use (again in a forked child, which has none)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._pid = 0
-
-    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
-        pool = self._pool
-        if pool is None or self._pid != os.getpid():
-            with self._lock:
-                if self._pool is None or self._pid != os.getpid():
-                    self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dataplane-decode")
-                    self._pid = os.getpid()
-                pool = self._pool
-        return pool.submit(fn)
-
-    def close(self) -> None:
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None and self._pid == os.getpid():
-            pool.shutdown(wait=False)
 
 
 def _check_partition(partition_id: object) -> str:
@@ -286,7 +261,7 @@ class StoreClient(DataPlaneClient):
         self._on_close = list(on_close)
         self._closed = False
         self._close_lock = threading.Lock()
-        self._beside = _Beside() if decode_beside() else None
+        self._beside = LazyPool(1, "dataplane-decode") if decode_beside() else None
 
     @property
     def store(self) -> KVStore:
