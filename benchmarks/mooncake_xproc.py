@@ -20,6 +20,7 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -62,21 +63,31 @@ def _worker(
         return wrapper
 
     def _timed_get(fn: Any) -> Any:
-        """The adapter's share of a get: planning plus ``finish`` (the client decodes in between)."""
+        """The adapter's share of a get: starting it, ``plan`` where it ran on the calling thread (not
+        beside the transfer), and ``finish`` (the client decodes in between, or beside)."""
 
         def started(*a: Any, **k: Any) -> Any:
             t0 = time.perf_counter()
-            cols, finish = fn(*a, **k)
-            planned = time.perf_counter() - t0
+            plan, finish = fn(*a, **k)
+            caller = threading.get_ident()
+            spent = [time.perf_counter() - t0]
+
+            def timed_plan() -> Any:
+                t1 = time.perf_counter()
+                try:
+                    return plan()
+                finally:
+                    if threading.get_ident() == caller:
+                        spent.append(time.perf_counter() - t1)
 
             def timed_finish() -> Any:
                 t1 = time.perf_counter()
                 try:
                     return finish()
                 finally:
-                    inner["get"] = planned + time.perf_counter() - t1
+                    inner["get"] = sum(spent) + time.perf_counter() - t1
 
-            return cols, timed_finish
+            return timed_plan, timed_finish
 
         return started
 

@@ -99,15 +99,19 @@ class BufferPool:
         :data:`SHARED_MIN` bytes or more: one allocation and one run of huge pages for a batch's large
         fields instead of one each, returned to the pool when the last slice is gone. Smaller entries
         get no slice, so a kept small field (a ``[B]`` reward) never pins the batch."""
-        big = {name: n for name, n in nbytes.items() if n >= SHARED_MIN}
-        if not big:
-            return {}
-        slab = self.empty(sum(-(-n // _ALIGN) * _ALIGN for n in big.values()))
-        out, at = {}, 0
-        for name, n in big.items():
-            out[name] = slab[at : at + n]
-            at += -(-n // _ALIGN) * _ALIGN
-        return out
+        slab, at = self.slab(nbytes)
+        return {} if slab is None else {name: slab[o : o + nbytes[name]] for name, o in at.items()}
+
+    def slab(self, nbytes: Mapping[str, int]) -> tuple[torch.Tensor | None, dict[str, int]]:
+        """The buffer :meth:`carve` slices and the byte offset of each entry in it (None and ``{}``
+        when no entry is large enough), for callers that need only addresses yet."""
+        at: dict[str, int] = {}
+        total = 0
+        for name, n in nbytes.items():
+            if n >= SHARED_MIN:
+                at[name] = total
+                total += -(-n // _ALIGN) * _ALIGN
+        return (self.empty(total) if at else None), at
 
     def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised tensor of ``shape`` and ``dtype`` backed by the pool."""

@@ -15,7 +15,35 @@ import msgpack
 
 from dataplane.errors import InvalidArgument, SchemaError
 
-__all__ = ["KVBatchMeta"]
+__all__ = ["MAX_KEY_LEN", "KVBatchMeta", "check_keys", "trusted_meta"]
+
+MAX_KEY_LEN = 512
+
+
+def check_keys(keys: object, *, what: str = "keys", allow_empty: bool = False) -> list[str]:
+    """``keys`` as a list, or raises: each a str of 1-512 printable characters, none repeated."""
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
+        raise SchemaError(f"{what} must be a list of str, got {type(keys).__name__}")
+    out = list(keys)
+    if not out:
+        if allow_empty:
+            return out
+        raise InvalidArgument(f"{what} is empty; give at least one key")
+    # C-level passes first (a batch has hundreds of keys); the loop names the bad key
+    lengths = set(map(len, out)) if set(map(type, out)) == {str} else None
+    if not (lengths is not None and min(lengths) > 0 and max(lengths) <= MAX_KEY_LEN and "".join(out).isprintable()):
+        for k in out:
+            if not isinstance(k, str):
+                raise SchemaError(
+                    f"every key must be a str, got {type(k).__name__} ({k!r}); mint keys like f'{{uid}}_g{{i}}'"
+                )
+            if not k or len(k) > MAX_KEY_LEN or not k.isprintable():
+                raise InvalidArgument(f"key {k[:40]!r} must be 1-{MAX_KEY_LEN} printable characters")
+    if len(set(out)) != len(out):
+        seen: set[str] = set()
+        dups = [k for k in out if k in seen or seen.add(k)]  # type: ignore[func-returns-value]
+        raise InvalidArgument(f"{what} must be unique; duplicated: {dups[:8]}")
+    return out
 
 
 def _rows(name: str, value: Iterable[Any] | None, n: int) -> tuple[Any, ...] | None:
@@ -56,16 +84,7 @@ class KVBatchMeta:
     def __post_init__(self) -> None:
         if not isinstance(self.partition_id, str) or not self.partition_id:
             raise InvalidArgument(f"partition_id must be a non-empty str, got {self.partition_id!r}")
-        if isinstance(self.keys, str):
-            raise SchemaError("keys must be a sequence of str, not a single str")
-        keys = tuple(self.keys)
-        bad = [] if set(map(type, keys)) <= {str} else [k for k in keys if not isinstance(k, str)]
-        if bad:
-            raise SchemaError(f"keys must be str, got {type(bad[0]).__name__} ({bad[0]!r})")
-        if len(set(keys)) != len(keys):
-            seen: set[str] = set()
-            dups = sorted({k for k in keys if k in seen or seen.add(k)})  # type: ignore[func-returns-value]
-            raise InvalidArgument(f"keys must be unique; duplicated: {dups[:8]}")
+        keys = tuple(check_keys(self.keys, allow_empty=True))
         fields = tuple(self.fields)
         if len(set(fields)) != len(fields):
             raise InvalidArgument(f"fields must be unique, got {list(fields)}")
@@ -222,3 +241,27 @@ class KVBatchMeta:
     @classmethod
     def from_msgpack(cls, data: bytes) -> KVBatchMeta:
         return cls.from_dict(msgpack.unpackb(data, raw=False, strict_map_key=False))
+
+
+def trusted_meta(
+    *,
+    partition_id: str,
+    keys: tuple[str, ...],
+    fields: tuple[str, ...],
+    sequence_lengths: tuple[int, ...] | None,
+    tags: tuple[dict[str, Any], ...] | None,
+) -> KVBatchMeta:
+    """A meta of parts the caller has already checked and normalized, as ``KVBatchMeta(...)`` would
+    (the client's put, which checks every part of its call first: checking again costs every put)."""
+    meta = object.__new__(KVBatchMeta)
+    for name, value in (
+        ("partition_id", partition_id),
+        ("keys", keys),
+        ("fields", fields),
+        ("sequence_lengths", sequence_lengths),
+        ("tags", tags),
+        ("extra_info", {}),
+        ("task_name", None),
+    ):
+        object.__setattr__(meta, name, value)
+    return meta

@@ -9,7 +9,6 @@ the closed state. Adapters enforce the per-(partition, field) schema atomically 
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import functools
 import logging
@@ -22,7 +21,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from dataplane._threads import LazyPool, usable_cpus
+from dataplane._threads import Helper, usable_cpus
 from dataplane.client import (
     Capabilities,
     DataPlaneClient,
@@ -35,13 +34,11 @@ from dataplane.client import (
 from dataplane.codec.jagged import lengths_of
 from dataplane.codec.wire import Column, Layout, decode_columns, encode_fields, validate_field_name
 from dataplane.errors import ClientClosed, DataPlaneError, DataPlaneTimeout, InvalidArgument, SchemaError
-from dataplane.meta import KVBatchMeta
+from dataplane.meta import KVBatchMeta, check_keys, trusted_meta
 
 __all__ = ["KVStore", "StoreClient"]
 
 log = logging.getLogger(__name__)
-
-MAX_KEY_LEN = 512
 
 
 class KVStore(ABC):
@@ -94,17 +91,22 @@ class KVStore(ABC):
         *,
         meta: KVBatchMeta | None,
         timeout_s: float,
-    ) -> tuple[Mapping[str, Column], Callable[[], Mapping[str, Column] | None]]:
-        """A get that may return before its bytes have landed, so the client can decode first.
+    ) -> tuple[Callable[[], Mapping[str, Column] | None], Callable[[], Mapping[str, Column] | None]]:
+        """A get split in two, so the client can decode while the bytes move: ``(plan, finish)``.
 
-        Returns the columns (their shapes and offsets final, their buffers possibly not yet filled)
-        and ``finish``. The client always calls ``finish()`` before handing anything out: it moves
-        or waits for the bytes, raises what ``get`` would raise, and returns None, or other columns
-        to use instead (e.g. read again after an object vanished under the first read). Decoding
-        first matters on small hosts: right after a large transfer the same Python work runs several
-        times slower (cold caches). The default is a plain :meth:`get`.
+        ``plan()`` returns the columns (their shapes and offsets final, their buffers possibly not
+        yet filled), or None when ``finish`` will return them. It does no I/O and may run on another
+        thread while ``finish`` runs. ``finish()`` moves or waits for the bytes on the calling thread,
+        waiting for ``plan`` itself where it needs what ``plan`` found, raises what ``get`` would
+        raise, and returns None to keep ``plan``'s columns, or other columns to use instead (e.g. read
+        again after an object vanished under the first read). The client calls ``plan`` then
+        ``finish`` (or both at once), always calls ``finish`` once ``plan`` has started, and hands
+        nothing out before ``finish`` returns. Decoding beside the transfer matters: right after a
+        large transfer the same Python work runs several times slower on a small host (cold caches),
+        and on a larger one it runs on a spare core. The default is a plain :meth:`get` in ``plan``.
         """
-        return self.get(partition_id, keys, fields, meta=meta, timeout_s=timeout_s), _finished
+        cols = self.get(partition_id, keys, fields, meta=meta, timeout_s=timeout_s)
+        return lambda: cols, _finished
 
     @abstractmethod
     def clear(self, partition_id: str, keys: Sequence[str] | None, *, timeout_s: float) -> None: ...
@@ -152,29 +154,6 @@ def _check_partition(partition_id: object) -> str:
     if not partition_id.isprintable():
         raise InvalidArgument(f"partition_id {partition_id!r} contains control characters")
     return partition_id
-
-
-def _check_keys(keys: object, *, what: str = "keys") -> list[str]:
-    if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
-        raise SchemaError(f"{what} must be a list of str, got {type(keys).__name__}")
-    out = list(keys)
-    if not out:
-        raise InvalidArgument(f"{what} is empty; give at least one key")
-    # C-level passes first (a get checks every key of the batch on every call); the loop names the bad key
-    lengths = set(map(len, out)) if set(map(type, out)) == {str} else None
-    if not (lengths is not None and min(lengths) > 0 and max(lengths) <= MAX_KEY_LEN and "".join(out).isprintable()):
-        for k in out:
-            if not isinstance(k, str):
-                raise SchemaError(
-                    f"every key must be a str, got {type(k).__name__} ({k!r}); mint keys like f'{{uid}}_g{{i}}'"
-                )
-            if not k or len(k) > MAX_KEY_LEN or not k.isprintable():
-                raise InvalidArgument(f"key {k[:40]!r} must be 1-{MAX_KEY_LEN} printable characters")
-    if len(set(out)) != len(out):
-        seen: set[str] = set()
-        dups = [k for k in out if k in seen or seen.add(k)]  # type: ignore[func-returns-value]
-        raise InvalidArgument(f"{what} must be unique; duplicated: {dups[:8]}")
-    return out
 
 
 def _check_tags(tags: object, n: int) -> list[dict[str, Any]] | None:
@@ -261,7 +240,7 @@ class StoreClient(DataPlaneClient):
         self._on_close = list(on_close)
         self._closed = False
         self._close_lock = threading.Lock()
-        self._beside = LazyPool(1, "dataplane-decode") if decode_beside() else None
+        self._beside = Helper("dataplane-decode") if decode_beside() else None
 
     @property
     def store(self) -> KVStore:
@@ -291,13 +270,13 @@ class StoreClient(DataPlaneClient):
     ) -> KVBatchMeta:
         self._check_open()
         pid = _check_partition(partition_id)
-        key_list = _check_keys(keys)
+        key_list = check_keys(keys)
         self._store.validate_keys(key_list)
         tag_list = _check_tags(tags, len(key_list))
         columns = encode_fields(fields, len(key_list), pickle_fields=self.pickle_fields)
         # Built before the write: right after moving many bytes, the same Python work runs slower
         # (cold caches), and nothing here depends on the write but the adapter's extra_info.
-        meta = KVBatchMeta(
+        meta = trusted_meta(  # every part checked above
             partition_id=pid,
             keys=tuple(key_list),
             fields=tuple(columns),
@@ -315,10 +294,12 @@ class StoreClient(DataPlaneClient):
                 raise InvalidArgument(
                     f"partition_id={partition_id!r} contradicts the meta's {keys_or_meta.partition_id!r}; drop one"
                 )
-            return keys_or_meta.partition_id, _check_keys(list(keys_or_meta.keys)), keys_or_meta
+            if not keys_or_meta.keys:
+                raise InvalidArgument("the meta has no keys; give at least one")
+            return keys_or_meta.partition_id, list(keys_or_meta.keys), keys_or_meta  # checked when it was made
         if partition_id is None:
             raise InvalidArgument("partition_id is required when reading by keys (a meta carries its own)")
-        return _check_partition(partition_id), _check_keys(keys_or_meta), None
+        return _check_partition(partition_id), check_keys(keys_or_meta), None
 
     def kv_batch_get(
         self,
@@ -340,7 +321,7 @@ class StoreClient(DataPlaneClient):
             raise InvalidArgument(f"pad_to_multiple must be an int >= 1, got {pad_to_multiple!r}")
         if pad_to_length is not None and (not isinstance(pad_to_length, int) or pad_to_length < 0):
             raise InvalidArgument(f"pad_to_length must be an int >= 0 or None, got {pad_to_length!r}")
-        columns, finish = self._store.get_started(pid, keys, fields, meta=meta, timeout_s=self.timeout_s)
+        plan, finish = self._store.get_started(pid, keys, fields, meta=meta, timeout_s=self.timeout_s)
         decode = functools.partial(
             self._decode,
             fields=fields,
@@ -350,35 +331,48 @@ class StoreClient(DataPlaneClient):
             pad_to_multiple=pad_to_multiple,
             pad_to_length=pad_to_length,
         )
-        if layout == "padded" or any(c.schema.kind == "object" for c in columns.values()):
-            again = finish()  # padding and object decoding read the bytes: they must have landed
-            return decode(columns if again is None else again)
-        if finish is not _finished and self._beside is not None:
-            return self._decode_beside(decode, columns, finish)
-        try:  # jagged and dense fields only wrap the buffers: decode before the bytes land
-            out = decode(columns)
-        except BaseException:
-            with contextlib.suppress(Exception):  # the transfer must end before its buffers are freed
-                finish()
-            raise
-        again = finish()
-        return out if again is None else decode(again)
 
-    def _decode_beside(
+        def start() -> tuple[Mapping[str, Column] | None, TensorDict | None]:
+            """The planned columns, decoded when that needs none of their bytes (jagged and dense
+            fields are views of the buffers; padding and object decoding read the bytes)."""
+            cols = plan()
+            if cols is None or layout == "padded" or any(c.schema.kind == "object" for c in cols.values()):
+                return cols, None
+            return cols, decode(cols)
+
+        if finish is not _finished and self._beside is not None:
+            cols, out, again = self._start_beside(start, finish)
+        else:
+            try:
+                cols, out = start()
+            except BaseException:
+                with contextlib.suppress(Exception):  # a transfer it began must end before its buffers go
+                    finish()
+                raise
+            again = finish()
+        if again is not None:
+            return decode(again)
+        if cols is None:
+            raise DataPlaneError(
+                f"{self.capabilities.backend} adapter planned no columns and finished with none; "
+                "this is an adapter bug, please report it"
+            )
+        return decode(cols) if out is None else out
+
+    def _start_beside(
         self,
-        decode: Callable[[Mapping[str, Column]], TensorDict],
-        columns: Mapping[str, Column],
+        start: Callable[[], tuple[Mapping[str, Column] | None, TensorDict | None]],
         finish: Callable[[], Mapping[str, Column] | None],
-    ) -> TensorDict:
-        """Decode on the helper thread while this one waits in ``finish`` (the transfer, which holds
-        no GIL): the decode then costs the get nothing. Submitted just before ``finish``, so this thread
-        runs no Python the helper could hold it up in."""
+    ) -> tuple[Mapping[str, Column] | None, TensorDict | None, Mapping[str, Column] | None]:
+        """Plan and decode on the helper thread while this one runs ``finish`` (the transfer, which
+        holds no GIL): planning and decoding then cost the get nothing. Submitted just before
+        ``finish``, so this thread runs no Python the helper could hold it up in."""
         assert self._beside is not None
         grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
-        def run() -> TensorDict:  # autograd modes are per thread: the caller's apply
+        def run() -> tuple[Mapping[str, Column] | None, TensorDict | None]:  # autograd modes are per thread
             with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-                return decode(columns)
+                return start()
 
         done = self._beside.submit(run)
         try:
@@ -388,12 +382,12 @@ class StoreClient(DataPlaneClient):
                 done.result(timeout=self.timeout_s)
             raise
         try:
-            out = done.result(timeout=self.timeout_s)  # an adapter bug's error surfaces here
-        except concurrent.futures.TimeoutError:
+            cols, out = done.result(timeout=self.timeout_s)  # plan's errors surface here
+        except TimeoutError:
             raise DataPlaneTimeout(
                 f"decoding a get took over timeout_s={self.timeout_s}s; the host is overloaded, or raise timeout_s"
             ) from None
-        return out if again is None else decode(again)
+        return cols, out, again
 
     def _decode(
         self,
@@ -431,7 +425,7 @@ class StoreClient(DataPlaneClient):
     def kv_clear(self, keys: Sequence[str] | None = None, *, partition_id: str) -> None:
         self._check_open()
         pid = _check_partition(partition_id)
-        key_list = None if keys is None else _check_keys(keys)
+        key_list = None if keys is None else check_keys(keys)
         self._store.clear(pid, key_list, timeout_s=self.timeout_s)
 
     def kv_list(self, partition_id: str | None = None) -> Listing:

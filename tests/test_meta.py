@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
+from dataclasses import replace
 
 import msgpack
 import pytest
@@ -10,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dataplane.errors import InvalidArgument, SchemaError
-from dataplane.meta import KVBatchMeta
+from dataplane.meta import KVBatchMeta, trusted_meta
 
 FAST = settings(max_examples=80, deadline=None, derandomize=True)
 
@@ -74,6 +76,10 @@ def test_invariants() -> None:
         KVBatchMeta(partition_id="p", keys="ab")
     with pytest.raises(InvalidArgument):
         KVBatchMeta(partition_id="", keys=["a"])
+    for bad in ("", "a\nb", "k" * 513):  # the client trusts a meta's keys: a meta holds only valid ones
+        with pytest.raises(InvalidArgument, match="printable"):
+            KVBatchMeta(partition_id="p", keys=["a", bad])
+    assert KVBatchMeta(partition_id="p", keys=[]).keys == ()
     m = KVBatchMeta(partition_id="p", keys=["a", "b"])
     with pytest.raises(InvalidArgument):
         m.reorder([0, 0])
@@ -94,3 +100,14 @@ def test_meta_is_frozen_and_copies_inputs() -> None:
         m.keys = ("b",)  # type: ignore[misc]
     assert m.with_fields(["x"]).with_fields(["y", "x"]).fields == ("x", "y")
     assert m.select_tags(lambda t: t["r"] > 1).keys == ()
+
+
+@given(metas())
+@FAST
+def test_trusted_meta_is_the_meta_its_checked_parts_make(m: KVBatchMeta) -> None:
+    parts = {f.name: getattr(m, f.name) for f in dataclasses.fields(KVBatchMeta)}
+    assert parts.pop("extra_info") == {"pad": 8} and parts.pop("task_name") is None  # set by no put
+    made = trusted_meta(**parts)
+    assert made == KVBatchMeta(**parts) == replace(m, extra_info={})
+    assert type(made) is KVBatchMeta and made.extra_info is not trusted_meta(**parts).extra_info  # its own dict
+    assert pickle.loads(pickle.dumps(made)) == made

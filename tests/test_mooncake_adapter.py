@@ -22,6 +22,7 @@ from dataplane.adapters._mc_index import PartitionState
 from dataplane.adapters.mooncake import MooncakeConfig, parse_bytes
 from dataplane.columns import first_write
 from dataplane.errors import BackendUnavailable, CapacityExceeded, ClientClosed, InvalidArgument, KeyNotFound
+from dataplane.meta import KVBatchMeta
 from dataplane.store import StoreClient
 from dataplane.testing.strategies import bit_exact
 
@@ -89,6 +90,16 @@ def _all_keys(client: StoreClient) -> list[str]:
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(f"http://127.0.0.1:{port}/get_all_keys", timeout=5) as r:
         return [k for k in r.read().decode().split("\n") if k]
+
+
+def _recording(log: list[tuple[str, str]], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, noting its name and the calling thread's in ``log`` first."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        log.append((name, threading.current_thread().name))
+        return fn(*args, **kwargs)
+
+    return wrapper
 
 
 class _Spy:
@@ -382,6 +393,57 @@ class TestMooncakeAdapter:
             assert [r.tolist() for r in got[mode]["ids"].unbind()] == [r.tolist() for r in rows]
             assert got[mode]["ids"]._offsets is got[mode]["m"]._offsets
             assert got[mode]["ids"].is_inference() and got[mode]["r"].is_inference()
+
+    def test_a_get_by_meta_reads_beside_decoding_the_index(
+        self, owner: StoreClient, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        rows = [torch.arange(n) for n in (2, 3)]
+        meta = owner.kv_batch_put(["a", "b"], {"ids": _jagged(rows), "r": torch.ones(2)}, partition_id="early")
+        order: list[tuple[str, str]] = []
+        monkeypatch.setenv("DATAPLANE_DECODE_THREAD", "1")
+        try:
+            with dataplane.connect(owner.store.join_url) as c:  # type: ignore[attr-defined]
+                store = c.store
+                for obj, name in ((store.handle, "get_into"), (store, "_hints"), (store.admin, "start_all_keys")):  # type: ignore[attr-defined]
+                    fn = getattr(obj, name)
+                    monkeypatch.setattr(obj, name, _recording(order, name, fn))
+                for m in (meta, KVBatchMeta.from_msgpack(meta.to_msgpack())):  # the hint survives msgpack
+                    order.clear()
+                    out = c.kv_batch_get(m, select_fields=["ids", "r"])
+                    assert [r.tolist() for r in out["ids"].unbind()] == [r.tolist() for r in rows]
+                    main = threading.current_thread().name
+                    assert [t for name, t in order if name == "get_into"] == [main]  # one read, by the caller
+                    helper = {t for name, t in order if name in ("_hints", "start_all_keys")}
+                    assert len(helper) == 1 and helper != {main}  # index and listing: beside the read
+        finally:
+            owner.kv_clear(partition_id="early")
+
+    def test_a_read_hint_naming_another_put_is_never_trusted(self, owner: StoreClient, other: StoreClient) -> None:
+        old = owner.kv_batch_put(["a", "b"], {"x": torch.tensor([1, 2])}, partition_id="forged")
+        new = owner.kv_batch_put(["a", "b"], {"x": torch.tensor([3, 4])}, partition_id="forged")
+        try:  # the old put's objects are still stored (re-written, never cleared): a read of them succeeds
+            forged = new.with_extra_info(mooncake_read=old.extra_info["mooncake_read"])
+            assert other.kv_batch_get(forged, select_fields="x")["x"].tolist() == [3, 4]
+            for junk in (
+                None,
+                "x",
+                [1, 2, 3, 4, 5],
+                ["nope", 2, "a", "b", {"x": 16}],
+                [*old.extra_info["mooncake_read"][:4], {"x": "8"}],
+            ):
+                bad = new.with_extra_info(mooncake_read=junk)
+                assert other.kv_batch_get(bad, select_fields="x")["x"].tolist() == [3, 4]
+            ((index_key, body),) = new.extra_info["mooncake_index"].items()
+            broken = new.with_extra_info(mooncake_index={index_key: b"\xc1" * len(body)})
+            for mode in ("0", "1"):  # an unreadable index: a typed error, on and off the helper thread
+                with pytest.MonkeyPatch.context() as mp:
+                    mp.setenv("DATAPLANE_DECODE_THREAD", mode)
+                    with dataplane.connect(owner.store.join_url) as c:  # type: ignore[attr-defined]
+                        with pytest.raises(BackendUnavailable, match="unreadable"):
+                            c.kv_batch_get(broken, select_fields="x")
+                        assert c.kv_batch_get(new, select_fields="x")["x"].tolist() == [3, 4]
+        finally:
+            owner.kv_clear(partition_id="forged")
 
     def test_closed_handle_raises_instead_of_crashing(self, owner: StoreClient) -> None:
         c = dataplane.connect(owner.store.join_url)  # type: ignore[attr-defined]

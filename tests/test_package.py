@@ -5,12 +5,14 @@ from __future__ import annotations
 import gc
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
 import torch
 
 import dataplane
+from dataplane._threads import Helper
 from dataplane.bufpool import BufferPool
 from dataplane.errors import BackendUnavailable, ClientClosed, InvalidArgument
 from dataplane.hostcopy import copy_bytes
@@ -119,6 +121,24 @@ def test_decode_thread_setting(monkeypatch: pytest.MonkeyPatch) -> None:
             c.kv_batch_put(["a"], {"x": torch.ones(1)}, partition_id="p"), select_fields="x"
         )["x"].tolist() == [1.0]
         assert not c._beside.started  # type: ignore[attr-defined]  # its helper thread never started
+
+
+def test_helper_thread_runs_calls_in_order_and_hands_back_results_and_errors() -> None:
+    helper = Helper("dataplane-test")
+    assert not helper.started
+    gate = threading.Event()
+    first = helper.submit(lambda: gate.wait(5) and threading.current_thread().name)
+    second = helper.submit(lambda: 1 / 0)
+    with pytest.raises(TimeoutError):  # a bounded wait: the first call is still blocked
+        first.result(timeout=0.05)
+    gate.set()
+    assert first.result(timeout=5) == "dataplane-test" and helper.started
+    with pytest.raises(ZeroDivisionError):
+        second.result(timeout=5)
+    helper.close()
+    assert not helper.started
+    assert helper.submit(lambda: 7).result(timeout=5) == 7  # started again on demand
+    helper.close()
 
 
 def test_copy_bytes_is_exact_for_any_size_and_dtype(monkeypatch: pytest.MonkeyPatch) -> None:

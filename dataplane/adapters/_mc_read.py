@@ -10,7 +10,7 @@ whichever the cost model says is cheaper.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,7 +22,7 @@ from dataplane.bufpool import BufferPool
 from dataplane.codec.wire import Column
 from dataplane.schema import FieldSchema
 
-__all__ = ["Reader", "Vanished"]
+__all__ = ["Landing", "Reader", "Vanished"]
 
 _ATTEMPTS = 8
 
@@ -48,6 +48,22 @@ class _Op:
     ranges: list[tuple[int, int, int]] | None = None
 
 
+@dataclass
+class Landing:
+    """Where whole-object reads land: large fields in one slab (at their offsets), small ones in
+    buffers of their own."""
+
+    slab: torch.Tensor | None
+    at: dict[str, int]
+    own: dict[str, torch.Tensor]
+
+    def buffer(self, field: str, nbytes: int) -> torch.Tensor | None:
+        if field in self.at:
+            assert self.slab is not None
+            return self.slab[self.at[field] : self.at[field] + nbytes]
+        return self.own.get(field)
+
+
 _Gather = tuple[np.ndarray, np.ndarray, list[tuple[int, int, int]]]  # (dst, staged object, runs)
 
 
@@ -70,46 +86,73 @@ class Reader:
 
     def plan(self, resolved: Mapping[str, Resolved]) -> tuple[dict[str, Column], Callable[[float], None]]:
         """The columns, whose buffers are empty until the returned ``fill(deadline)`` has run."""
+        whole = {f: r.whole for f, r in resolved.items() if r.whole is not None}
+        ops, landing = self.whole_reads({f: (p.data_key(f), p.fields[f].nbytes) for f, p in whole.items()})
+        by_put: dict[str, list[str]] = {}
+        for f, p in whole.items():
+            by_put.setdefault(p.put_id, []).append(f)
+        cols: dict[str, Column] = {}
+        for fs in by_put.values():
+            cols.update(self.columns_over(whole[fs[0]], fs, landing))
         out: dict[str, Column] = {}
-        ops: list[_Op] = []
         gathers: list[_Gather] = []
-        offsets: dict[int, torch.Tensor] = {}  # one tensor per shared offsets array (one ragged dim)
-        # whole-object reads of 1 MiB or more land in one pooled (registered) buffer
-        slices = self.pool.carve({f: r.whole.fields[f].nbytes for f, r in resolved.items() if r.whole is not None})
         for field, res in resolved.items():
-            col, field_ops, field_gathers = self._plan_field(field, res, offsets, slices.get(field))
-            out[field] = col
+            if field in cols:
+                out[field] = cols[field]
+                continue
+            out[field], field_ops, field_gathers = self._plan_field(field, res)
             ops += field_ops
             gathers += field_gathers
 
         def fill(deadline: float) -> None:
-            self._run(ops, deadline)
+            self.run(ops, deadline)
             for dst, stage, runs in gathers:
                 for d, src, n in runs:
                     dst[d : d + n] = stage[src : src + n]
 
         return out, fill
 
-    def _plan_field(
-        self, field: str, res: Resolved, shared: dict[int, torch.Tensor], dst: torch.Tensor | None
-    ) -> tuple[Column, list[_Op], list[_Gather]]:
-        schema, locs = res.schema, res.locs
-        if res.whole is not None:  # the rows of one put, in order: one read straight into the result
-            first = res.whole
-            n = len(first.keys)
-            entry0 = first.fields[field]
-            total = entry0.nbytes
-            offsets = None
-            if entry0.offsets is not None:
-                offsets = shared.get(id(entry0.offsets))
+    def whole_reads(self, objects: Mapping[str, tuple[str, int]]) -> tuple[list[_Op], Landing]:
+        """Whole-object reads of ``objects`` (field -> (key, bytes)) and where they land: buffers
+        taken here, those of 1 MiB or more in one pooled slab (a field of 0 bytes has no object)."""
+        slab, at = self.pool.slab({f: n for f, (_, n) in objects.items()})
+        base = 0 if slab is None else slab.data_ptr()
+        own: dict[str, torch.Tensor] = {}
+        ops: list[_Op] = []
+        for field, (key, n) in objects.items():
+            if not n:
+                continue
+            if field in at:
+                ptr = base + at[field]
+            else:
+                buf = own[field] = self.pool.empty(n)
+                ptr = buf.data_ptr()
+            ops.append(_Op(key, ptr, n))
+        return ops, Landing(slab, at, own)
+
+    @staticmethod
+    def columns_over(put: PutIndex, fields: Sequence[str], landing: Landing) -> dict[str, Column]:
+        """The columns of ``fields`` of every row of ``put``, in its order, over the buffers of
+        ``landing`` (see :meth:`whole_reads`); fields sharing one offsets array share one tensor."""
+        out: dict[str, Column] = {}
+        shared: dict[int, torch.Tensor] = {}
+        n = len(put.keys)
+        for field in fields:
+            entry = put.fields[field]
+            schema, offsets = entry.schema, None
+            if entry.offsets is not None:
+                offsets = shared.get(id(entry.offsets))
                 if offsets is None:
-                    offsets = shared[id(entry0.offsets)] = torch.from_numpy(entry0.offsets.copy())
-            rows = n if entry0.offsets is None else int(entry0.offsets[-1])
-            if not total:
-                return Column(schema, _empty(schema, rows), offsets), [], []
-            buf = dst if dst is not None else self.pool.empty(total)
-            values = schema.view_rows(buf, rows)
-            return Column(schema, values, offsets), [_Op(first.data_key(field), buf.data_ptr(), total)], []
+                    offsets = shared[id(entry.offsets)] = torch.from_numpy(entry.offsets.copy())
+            rows = n if entry.offsets is None else int(entry.offsets[-1])
+            buf = landing.buffer(field, entry.nbytes)
+            values = _empty(schema, rows) if buf is None else schema.view_rows(buf, rows)
+            out[field] = Column(schema, values, offsets)
+        return out
+
+    def _plan_field(self, field: str, res: Resolved) -> tuple[Column, list[_Op], list[_Gather]]:
+        """Rows from several puts, or not in their put's order: ranged or staged reads."""
+        schema, locs = res.schema, res.locs
         n = len(locs)
         runs: dict[str, list[tuple[int, int, int]]] = {}  # put_id -> [(dst, src, size)]
         puts: dict[str, PutIndex] = {}
@@ -158,7 +201,7 @@ class Reader:
         values = schema.view_rows(buf, rows) if total else _empty(schema, rows)
         return Column(schema, values, offsets), ops, gathers
 
-    def _run(self, ops: list[_Op], deadline: float) -> None:
+    def run(self, ops: list[_Op], deadline: float) -> None:
         """Issue the reads (one call, or one per 1024 keys); retry what Mooncake may recover from."""
         if not ops:
             return

@@ -50,7 +50,7 @@ from dataplane.adapters._mc_index import (
     partition_of_token,
     partition_prefix,
 )
-from dataplane.adapters._mc_read import Reader, Vanished
+from dataplane.adapters._mc_read import Landing, Reader, Vanished, _Op
 from dataplane.bufpool import BufferPool
 from dataplane.client import Capabilities, Listing
 from dataplane.codec.wire import Column
@@ -67,11 +67,14 @@ from dataplane.meta import KVBatchMeta
 from dataplane.schema import FieldSchema, check_compatible
 from dataplane.store import KVStore
 
-__all__ = ["HINT_KEY", "MooncakeStore"]
+__all__ = ["HINT_KEY", "READ_KEY", "MooncakeStore"]
 
 log = logging.getLogger(__name__)
 
 HINT_KEY = "mooncake_index"  # meta.extra_info[HINT_KEY] = {index key: index bytes} of the put
+# meta.extra_info[READ_KEY] = [index key, row count, first key, last key, {field: object bytes}]: enough to
+# start reading a put's objects before its index is even decoded (checked against the index meanwhile)
+READ_KEY = "mooncake_read"
 MAX_KEY_LEN = 512
 _ATTEMPTS = 4
 
@@ -101,6 +104,18 @@ class _PlannedPut:
     body: bytes = b""
     index_key: str = ""
     index: PutIndex | None = None
+
+
+@dataclass(eq=False)
+class _EarlyPlan:
+    """What a get's ``plan`` found, for its ``finish`` (which may run on another thread)."""
+
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    hints: dict[str, PutIndex] | None = None
+    hinted: PutIndex | None = None  # the put read, once plan has checked the reads name its objects
+    lines: list[str] | None = None  # the listing plan took
+    only: bool = False  # whether it shows that put alone in the partition
+    failed: bool = False
 
 
 class MooncakeStore(KVStore):
@@ -309,7 +324,12 @@ class MooncakeStore(KVStore):
         assert plan.index is not None
         with part.lock:
             part.known[plan.put_id] = plan.index
-        return {HINT_KEY: {plan.index_key: plan.body}}
+        sizes = {name: nbytes for name, (_, nbytes, _) in plan.entries.items()}
+        keys = plan.keys
+        return {
+            HINT_KEY: {plan.index_key: plan.body},
+            READ_KEY: [plan.index_key, len(keys), keys[0], keys[-1], sizes],
+        }
 
     def _sendable(self, values: torch.Tensor) -> torch.Tensor:
         """Contiguous ``values`` as memory a put can send: as they are over TCP, or when they already lie
@@ -361,9 +381,13 @@ class MooncakeStore(KVStore):
         meta: KVBatchMeta | None,
         timeout_s: float,
     ) -> Mapping[str, Column]:
-        cols, finish = self.get_started(partition_id, keys, fields, meta=meta, timeout_s=timeout_s)
+        plan, finish = self.get_started(partition_id, keys, fields, meta=meta, timeout_s=timeout_s)
+        cols = plan()
         again = finish()
-        return cols if again is None else again
+        if again is not None:
+            return again
+        assert cols is not None
+        return cols
 
     def get_started(
         self,
@@ -373,38 +397,73 @@ class MooncakeStore(KVStore):
         *,
         meta: KVBatchMeta | None,
         timeout_s: float,
-    ) -> tuple[Mapping[str, Column], Callable[[], Mapping[str, Column] | None]]:
-        """Plan the read and hand the columns out before any byte moves; ``finish`` moves them. The
-        client decodes before (or, on a host with spare cores, beside) ``finish``: right after a large
-        transfer the same Python work runs 3-5x slower on a small VM.
+    ) -> tuple[Callable[[], Mapping[str, Column] | None], Callable[[], Mapping[str, Column] | None]]:
+        """Start a get: ``plan`` makes the columns, ``finish`` moves their bytes (see
+        :meth:`KVStore.get_started`).
 
-        A get of exactly the rows of the meta's put is planned from the meta alone, while the master
-        answers the listing. ``finish`` reads first and checks the listing after, so that nothing but
-        the transfer holds the caller's thread once the client's decode has started beside it. The
-        read is safe before the check: a put's objects never change, and one removed meanwhile fails
-        the read. When the listing shows the store changed since that put, ``finish`` resolves afresh
-        and reads again (new columns)."""
+        A get of exactly the rows of the meta's put (the usual RL read) needs only the meta's read
+        hint (:data:`READ_KEY`) to start: ``finish`` reads the put's objects into buffers taken here,
+        while ``plan`` (on the client's helper thread, where it has one) decodes the meta's index,
+        checks that it names those objects, and checks the listing. A put's objects never change and
+        one removed meanwhile fails the read, so reading before the check is safe. When the listing
+        shows the store changed since that put, ``finish`` resolves afresh and keeps what it read if
+        that put still holds the newest value of every row read (a later put of other fields, say),
+        or reads again (new columns). Any other get lists, resolves and plans here; ``finish`` reads.
+        """
         deadline = time.monotonic() + timeout_s
-        listing = self._start_listing(deadline)
+        self.handle.check()  # closed or forked: fail before any I/O
         part = self._part(partition_id)
-        hints = self._hints(partition_id, meta, part)
-        hinted = self._whole_put(keys, fields, hints)
-        if hinted is not None:  # planned now; the listing is checked in finish, just before reading
-            resolved = {f: Resolved(hinted.fields[f].schema, [], whole=hinted) for f in fields}
-        else:
-            resolved = self._resolve(partition_id, part, keys, fields, hints, listing(), deadline)
-        cols, fill = self.reader.plan(resolved)
+        early = self._read_hint(partition_id, keys, fields, meta)
+        hints: dict[str, PutIndex] | None = None
+        if early is None:
+            hints = self._hints(partition_id, meta, part)
+            hinted = self._whole_put(keys, fields, hints)
+            if hinted is None:
+                return self._get_resolved(partition_id, part, keys, fields, hints, deadline)
+            early = (
+                hinted.key,
+                *self.reader.whole_reads({f: (hinted.data_key(f), hinted.fields[f].nbytes) for f in fields}),
+            )
+        index_key, ops, landing = early
+        planned = _EarlyPlan(hints=hints)
+
+        def plan() -> Mapping[str, Column] | None:
+            try:
+                listing = self._start_listing(deadline)
+                if planned.hints is None:
+                    planned.hints = self._hints(partition_id, meta, part)
+                p = self._whole_put(keys, fields, planned.hints)
+                cols = None
+                if p is not None and p.key == index_key and self._names(p, fields, ops):
+                    cols = self.reader.columns_over(p, fields, landing)
+                planned.lines = listing()
+                if cols is None or p is None:
+                    return None  # the read hint does not describe the meta's put: finish reads afresh
+                planned.hinted = p
+                planned.only = self._only_put(partition_id, part, p, planned.lines)
+                return cols
+            except BaseException:
+                planned.failed = True
+                raise
+            finally:
+                planned.done.set()
 
         def finish() -> Mapping[str, Column] | None:
             try:
-                fill(deadline)
-            except Vanished:  # a concurrent clear removed an object: resolve and read again
-                return self._get_checked(partition_id, part, keys, fields, hints, deadline)
-            if hinted is None:
+                self.reader.run(ops, deadline)
+                vanished = False
+            except Vanished:  # a concurrent clear removed an object
+                vanished = True
+            if not planned.done.wait(max(0.0, deadline - time.monotonic())):
+                raise DataPlaneTimeout("planning a Mooncake get ran out of time; raise timeout_s")
+            if planned.failed:  # the client raises plan's error
                 return None
-            lines = listing()
-            if self._only_put(partition_id, part, hinted, lines):
+            hinted, hints, lines = planned.hinted, planned.hints or {}, planned.lines
+            if hinted is None or vanished:
+                return self._get_checked(partition_id, part, keys, fields, hints, deadline, None if vanished else lines)
+            if planned.only:
                 return None
+            assert lines is not None
             # Other puts or tombstones are listed: what was read stands if that put still holds the
             # newest value of every row read (a later put of other fields, say); else read again.
             resolved = self._resolve(partition_id, part, keys, fields, hints, lines, deadline)
@@ -412,7 +471,56 @@ class MooncakeStore(KVStore):
                 return None
             return self._get_checked(partition_id, part, keys, fields, hints, deadline, lines, resolved)
 
-        return cols, finish
+        return plan, finish
+
+    def _get_resolved(
+        self,
+        partition_id: str,
+        part: _Part,
+        keys: Sequence[str],
+        fields: Sequence[str],
+        hints: dict[str, PutIndex],
+        deadline: float,
+    ) -> tuple[Callable[[], Mapping[str, Column] | None], Callable[[], Mapping[str, Column] | None]]:
+        """A get of anything but the rows of one put in its order: list, resolve, plan; read in ``finish``."""
+        resolved = self._resolve(partition_id, part, keys, fields, hints, self._listing(deadline), deadline)
+        cols, fill = self.reader.plan(resolved)
+
+        def finish() -> Mapping[str, Column] | None:
+            try:
+                fill(deadline)
+            except Vanished:  # a concurrent clear removed an object: resolve and read again
+                return self._get_checked(partition_id, part, keys, fields, hints, deadline)
+            return None
+
+        return lambda: cols, finish
+
+    def _read_hint(
+        self, partition_id: str, keys: Sequence[str], fields: Sequence[str], meta: KVBatchMeta | None
+    ) -> tuple[str, list[_Op], Landing] | None:
+        """The reads of a get of exactly the rows of the meta's put, from its read hint alone (no
+        index decoded), and where they land; None when the hint is absent or does not fit the get.
+        Only objects of this partition can be named; ``plan`` checks they are the put's."""
+        hint = meta.extra_info.get(READ_KEY) if meta is not None else None
+        if not isinstance(hint, (list, tuple)) or len(hint) != 5:
+            return None
+        index_key, n, first, last, sizes = hint
+        if not (isinstance(index_key, str) and isinstance(sizes, Mapping) and n == len(keys) and n > 0):
+            return None
+        if keys[0] != first or keys[-1] != last or not all(isinstance(sizes.get(f), int) for f in fields):
+            return None
+        prefix = index_prefix(self.ns, partition_id)
+        parsed = parse_index_key(index_key, prefix) if index_key.startswith(prefix) else None
+        if parsed is None:
+            return None
+        head = partition_prefix(self.ns, partition_id)
+        return index_key, *self.reader.whole_reads({f: (data_key(head, parsed[0], f), sizes[f]) for f in fields})
+
+    @staticmethod
+    def _names(hinted: PutIndex, fields: Sequence[str], ops: Sequence[_Op]) -> bool:
+        """Whether ``ops`` read exactly the objects of ``fields`` in put ``hinted``."""
+        want = [(hinted.data_key(f), hinted.fields[f].nbytes) for f in fields if hinted.fields[f].nbytes]
+        return want == [(op.key, op.nbytes) for op in ops]
 
     @staticmethod
     def _whole_put(keys: Sequence[str], fields: Sequence[str], hints: Mapping[str, PutIndex]) -> PutIndex | None:
