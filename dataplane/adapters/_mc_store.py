@@ -7,9 +7,11 @@ listing, then one ``batch_get_into`` (or ``get_into_ranges``) for the data. Inde
 immutable and cached, so only puts this process has not seen cost one more read, and a get by the
 meta a put returned does not even pay that (the meta carries the put's index in ``extra_info``; it
 is used only while the listing still shows that index, so a stale hint never returns stale data).
-When the get asks for exactly the meta's rows in order (the usual RL read), the read is planned
-from the meta while the listing is on its way, and runs once the listing shows that index as the
-partition's only one; the rows are not even folded into the per-row state.
+When the get asks for exactly the meta's rows in order (the usual RL read), the read is issued
+first, from the meta's read hint alone, while the index is decoded and checked against the hint and
+the listing is taken (beside the read where the client has a helper thread); what was read is kept
+when the listing shows that index as the partition's only one, and the rows are not even folded
+into the per-row state (see :meth:`MooncakeStore.get_started`).
 """
 
 from __future__ import annotations

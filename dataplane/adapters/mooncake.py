@@ -35,7 +35,9 @@ put, in order), or that reads whole objects / merged row ranges (whichever the c
 cheaper) and gathers locally. Index objects are immutable and cached; a put returns its index in
 ``meta.extra_info["mooncake_index"]``, so a get by that meta in another process needs no index read
 either (the hint is used only while the listing still shows it: a stale hint never returns stale
-data). Listing costs grow with the number of keys in the master, anyone's (~1 us per key: 10,000
+data), and a read hint in ``meta.extra_info["mooncake_read"]`` (the put's objects and sizes), so such
+a get issues its read before anything else and checks the index and the listing beside it, on a
+helper thread where the host has the cores (``DATAPLANE_DECODE_THREAD``). Listing costs grow with the number of keys in the master, anyone's (~1 us per key: 10,000
 keys add ~8 ms to every put and get, ``python -m benchmarks.mooncake_scale``), so give dataplane a
 master of its own rather than one shared with, say, an inference engine's KV cache.
 
