@@ -22,7 +22,7 @@ MAX_KEY_LEN = 512
 
 def check_keys(keys: object, *, what: str = "keys", allow_empty: bool = False) -> list[str]:
     """``keys`` as a list, or raises: each a str of 1-512 printable characters, none repeated."""
-    if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
         raise SchemaError(f"{what} must be a list of str, got {type(keys).__name__}")
     out = list(keys)
     if not out:
@@ -84,7 +84,9 @@ class KVBatchMeta:
     def __post_init__(self) -> None:
         if not isinstance(self.partition_id, str) or not self.partition_id:
             raise InvalidArgument(f"partition_id must be a non-empty str, got {self.partition_id!r}")
-        keys = tuple(check_keys(self.keys, allow_empty=True))
+        if isinstance(self.keys, (str, bytes)):
+            raise SchemaError("keys must be a sequence of str, not a single str")
+        keys = tuple(check_keys(tuple(self.keys), allow_empty=True))
         fields = tuple(self.fields)
         if len(set(fields)) != len(fields):
             raise InvalidArgument(f"fields must be unique, got {list(fields)}")

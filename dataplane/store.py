@@ -95,8 +95,8 @@ class KVStore(ABC):
         """A get split in two, so the client can decode while the bytes move: ``(plan, finish)``.
 
         ``plan()`` returns the columns (their shapes and offsets final, their buffers possibly not
-        yet filled), or None when ``finish`` will return them. It does no I/O and may run on another
-        thread while ``finish`` runs. ``finish()`` moves or waits for the bytes on the calling thread,
+        yet filled), or None when ``finish`` will return them. It moves none of the get's bytes (it may
+        ask for a listing) and may run on another thread while ``finish`` runs. ``finish()`` moves or waits for the bytes on the calling thread,
         waiting for ``plan`` itself where it needs what ``plan`` found, raises what ``get`` would
         raise, and returns None to keep ``plan``'s columns, or other columns to use instead (e.g. read
         again after an object vanished under the first read). The client calls ``plan`` then

@@ -430,6 +430,8 @@ class TestMooncakeAdapter:
                 [1, 2, 3, 4, 5],
                 ["nope", 2, "a", "b", {"x": 16}],
                 [*old.extra_info["mooncake_read"][:4], {"x": "8"}],
+                [*old.extra_info["mooncake_read"][:4], {"x": -8}],
+                [*old.extra_info["mooncake_read"][:4], {"x": 1 << 40}],  # never allocated: over the bound
             ):
                 bad = new.with_extra_info(mooncake_read=junk)
                 assert other.kv_batch_get(bad, select_fields="x")["x"].tolist() == [3, 4]

@@ -79,6 +79,7 @@ HINT_KEY = "mooncake_index"  # meta.extra_info[HINT_KEY] = {index key: index byt
 READ_KEY = "mooncake_read"
 MAX_KEY_LEN = 512
 _ATTEMPTS = 4
+_EARLY_MAX_BYTES = 1 << 30  # larger gets take their sizes from the index (their fixed costs matter less)
 
 
 @dataclass
@@ -115,8 +116,9 @@ class _EarlyPlan:
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     hints: dict[str, PutIndex] | None = None
     hinted: PutIndex | None = None  # the put read, once plan has checked the reads name its objects
-    lines: list[str] | None = None  # the listing plan took
-    only: bool = False  # whether it shows that put alone in the partition
+    lines: list[str] | None = None  # the listing plan took, when it ran beside the transfer
+    listing: Callable[[], list[str]] | None = None  # or the listing it asked for, to read after it
+    only: bool = False  # whether the listing shows that put alone in the partition
     failed: bool = False
 
 
@@ -428,6 +430,7 @@ class MooncakeStore(KVStore):
             )
         index_key, ops, landing = early
         planned = _EarlyPlan(hints=hints)
+        caller = threading.get_ident()
 
         def plan() -> Mapping[str, Column] | None:
             try:
@@ -437,13 +440,16 @@ class MooncakeStore(KVStore):
                 p = self._whole_put(keys, fields, planned.hints)
                 cols = None
                 if p is not None and p.key == index_key and self._names(p, fields, ops):
+                    planned.hinted = p
                     cols = self.reader.columns_over(p, fields, landing)
-                planned.lines = listing()
-                if cols is None or p is None:
-                    return None  # the read hint does not describe the meta's put: finish reads afresh
-                planned.hinted = p
-                planned.only = self._only_put(partition_id, part, p, planned.lines)
-                return cols
+                if threading.get_ident() == caller:  # in line: the answer is read after the transfer
+                    planned.listing = listing
+                else:  # beside the transfer: all of it here (the listing's socket is this thread's)
+                    planned.lines = listing()
+                    planned.only = (
+                        p is not None and cols is not None and self._only_put(partition_id, part, p, planned.lines)
+                    )
+                return cols  # None: the read hint does not describe the meta's put, finish reads afresh
             except BaseException:
                 planned.failed = True
                 raise
@@ -460,12 +466,16 @@ class MooncakeStore(KVStore):
                 raise DataPlaneTimeout("planning a Mooncake get ran out of time; raise timeout_s")
             if planned.failed:  # the client raises plan's error
                 return None
-            hinted, hints, lines = planned.hinted, planned.hints or {}, planned.lines
+            hinted, hints = planned.hinted, planned.hints or {}
+            lines = planned.lines
+            if planned.listing is not None:
+                lines = planned.listing()
+                planned.only = hinted is not None and self._only_put(partition_id, part, hinted, lines)
+            assert lines is not None
             if hinted is None or vanished:
                 return self._get_checked(partition_id, part, keys, fields, hints, deadline, None if vanished else lines)
             if planned.only:
                 return None
-            assert lines is not None
             # Other puts or tombstones are listed: what was read stands if that put still holds the
             # newest value of every row read (a later put of other fields, say); else read again.
             resolved = self._resolve(partition_id, part, keys, fields, hints, lines, deadline)
@@ -509,14 +519,20 @@ class MooncakeStore(KVStore):
         index_key, n, first, last, sizes = hint
         if not (isinstance(index_key, str) and isinstance(sizes, Mapping) and n == len(keys) and n > 0):
             return None
-        if keys[0] != first or keys[-1] != last or not all(isinstance(sizes.get(f), int) for f in fields):
+        if keys[0] != first or keys[-1] != last:
             return None
+        want = [sizes.get(f) for f in fields]
+        nbytes = [n for n in want if type(n) is int and n >= 0]
+        if len(nbytes) != len(want) or sum(nbytes) > _EARLY_MAX_BYTES:
+            return None  # a hint is only the meta's word: no allocation it could inflate beyond this
         prefix = index_prefix(self.ns, partition_id)
         parsed = parse_index_key(index_key, prefix) if index_key.startswith(prefix) else None
         if parsed is None:
             return None
         head = partition_prefix(self.ns, partition_id)
-        return index_key, *self.reader.whole_reads({f: (data_key(head, parsed[0], f), sizes[f]) for f in fields})
+        return index_key, *self.reader.whole_reads(
+            {f: (data_key(head, parsed[0], f), n) for f, n in zip(fields, nbytes, strict=True)}
+        )
 
     @staticmethod
     def _names(hinted: PutIndex, fields: Sequence[str], ops: Sequence[_Op]) -> bool:
