@@ -22,7 +22,7 @@ from dataplane.bufpool import BufferPool
 from dataplane.codec.wire import Column
 from dataplane.schema import FieldSchema
 
-__all__ = ["Landing", "Reader", "Vanished"]
+__all__ = ["Landing", "ReadOp", "Reader", "Vanished"]
 
 _ATTEMPTS = 8
 
@@ -39,7 +39,7 @@ class Vanished(Exception):
 
 
 @dataclass
-class _Op:
+class ReadOp:
     """Read ``key``: whole (``ranges`` None) into ``ptr``, or the ranges (dst, src, size) into ``ptr``."""
 
     key: str
@@ -112,13 +112,13 @@ class Reader:
 
         return out, fill
 
-    def whole_reads(self, objects: Mapping[str, tuple[str, int]]) -> tuple[list[_Op], Landing]:
+    def whole_reads(self, objects: Mapping[str, tuple[str, int]]) -> tuple[list[ReadOp], Landing]:
         """Whole-object reads of ``objects`` (field -> (key, bytes)) and where they land: buffers
         taken here, those of 1 MiB or more in one pooled slab (a field of 0 bytes has no object)."""
         slab, at = self.pool.slab({f: n for f, (_, n) in objects.items()})
         base = 0 if slab is None else slab.data_ptr()
         own: dict[str, torch.Tensor] = {}
-        ops: list[_Op] = []
+        ops: list[ReadOp] = []
         for field, (key, n) in objects.items():
             if not n:
                 continue
@@ -127,7 +127,7 @@ class Reader:
             else:
                 buf = own[field] = self.pool.empty(n)
                 ptr = buf.data_ptr()
-            ops.append(_Op(key, ptr, n))
+            ops.append(ReadOp(key, ptr, n))
         return ops, Landing(slab, at, own)
 
     @staticmethod
@@ -150,7 +150,7 @@ class Reader:
             out[field] = Column(schema, values, offsets)
         return out
 
-    def _plan_field(self, field: str, res: Resolved) -> tuple[Column, list[_Op], list[_Gather]]:
+    def _plan_field(self, field: str, res: Resolved) -> tuple[Column, list[ReadOp], list[_Gather]]:
         """Rows from several puts, or not in their put's order: ranged or staged reads."""
         schema, locs = res.schema, res.locs
         n = len(locs)
@@ -180,28 +180,28 @@ class Reader:
         buf = self.pool.empty(total)
         base = buf.data_ptr()
         can_range = self.handle.covers(base, total)  # get_into_ranges reads only into registered memory
-        ops: list[_Op] = []
+        ops: list[ReadOp] = []
         gathers: list[_Gather] = []
         for pid, prs in runs.items():
             p = puts[pid]
             key, nbytes = p.data_key(field), p.fields[field].nbytes
             if len(prs) == 1 and prs[0][1] == 0 and prs[0][2] == nbytes:  # whole object, in place
-                ops.append(_Op(key, base + prs[0][0], nbytes))
+                ops.append(ReadOp(key, base + prs[0][0], nbytes))
                 continue
             need = sum(m for _, _, m in prs)
             ranged_s = len(prs) * _PIECE_S + need / _NET_BPS
             whole_s = _PIECE_S + nbytes / _NET_BPS + need / _COPY_BPS
             if can_range and ranged_s <= whole_s:
-                ops.append(_Op(key, base, nbytes, prs))
+                ops.append(ReadOp(key, base, nbytes, prs))
             else:
                 stage = self.pool.empty(nbytes)
-                ops.append(_Op(key, stage.data_ptr(), nbytes))
+                ops.append(ReadOp(key, stage.data_ptr(), nbytes))
                 gathers.append((buf.numpy(), stage.numpy(), prs))
         rows = n if offsets is None else int(offsets[-1])
         values = schema.view_rows(buf, rows) if total else _empty(schema, rows)
         return Column(schema, values, offsets), ops, gathers
 
-    def run(self, ops: list[_Op], deadline: float) -> None:
+    def run(self, ops: list[ReadOp], deadline: float) -> None:
         """Issue the reads (one call, or one per 1024 keys); retry what Mooncake may recover from."""
         if not ops:
             return
@@ -218,7 +218,7 @@ class Reader:
                 continue
             raise error_for(bad[0], f"reading {len(ops)} data objects")
 
-    def _issue(self, ops: list[_Op]) -> list[int]:
+    def _issue(self, ops: list[ReadOp]) -> list[int]:
         """Negative codes of the failed reads (or short-read sentinels)."""
         codes: list[int] = []
         if all(op.ranges is None for op in ops):

@@ -52,7 +52,7 @@ from dataplane.adapters._mc_index import (
     partition_of_token,
     partition_prefix,
 )
-from dataplane.adapters._mc_read import Landing, Reader, Vanished, _Op
+from dataplane.adapters._mc_read import Landing, Reader, ReadOp, Vanished
 from dataplane.bufpool import BufferPool
 from dataplane.client import Capabilities, Listing
 from dataplane.codec.wire import Column
@@ -509,7 +509,7 @@ class MooncakeStore(KVStore):
 
     def _read_hint(
         self, partition_id: str, keys: Sequence[str], fields: Sequence[str], meta: KVBatchMeta | None
-    ) -> tuple[str, list[_Op], Landing] | None:
+    ) -> tuple[str, list[ReadOp], Landing] | None:
         """The reads of a get of exactly the rows of the meta's put, from its read hint alone (no
         index decoded), and where they land; None when the hint is absent or does not fit the get.
         Only objects of this partition can be named; ``plan`` checks they are the put's."""
@@ -535,7 +535,7 @@ class MooncakeStore(KVStore):
         )
 
     @staticmethod
-    def _names(hinted: PutIndex, fields: Sequence[str], ops: Sequence[_Op]) -> bool:
+    def _names(hinted: PutIndex, fields: Sequence[str], ops: Sequence[ReadOp]) -> bool:
         """Whether ``ops`` read exactly the objects of ``fields`` in put ``hinted``."""
         want = [(hinted.data_key(f), hinted.fields[f].nbytes) for f in fields if hinted.fields[f].nbytes]
         return want == [(op.key, op.nbytes) for op in ops]
