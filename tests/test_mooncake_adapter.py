@@ -415,6 +415,16 @@ class TestMooncakeAdapter:
                     assert [t for name, t in order if name == "get_into"] == [main]  # one read, by the caller
                     helper = {t for name, t in order if name in ("_hints", "start_all_keys")}
                     assert len(helper) == 1 and helper != {main}  # index and listing: beside the read
+                owner.kv_batch_put(["a", "b"], {"adv": torch.zeros(2)}, partition_id="early")  # other fields
+                for reads in (2, 1):  # the data, plus the other put's index while this client has not seen it
+                    order.clear()
+                    assert c.kv_batch_get(meta, select_fields="r")["r"].tolist() == [1.0, 1.0]
+                    assert [name for name, _ in order].count("get_into") == reads  # what was read still stands
+                owner.kv_batch_put(["b"], {"r": torch.tensor([5.0])}, partition_id="early")  # a newer row
+                assert c.kv_batch_get(meta, select_fields="r")["r"].tolist() == [1.0, 5.0]  # read again
+                owner.kv_clear(partition_id="early")
+                with pytest.raises(KeyNotFound, match="no longer in the store"):  # its objects vanished
+                    c.kv_batch_get(meta, select_fields=["ids", "r"])
         finally:
             owner.kv_clear(partition_id="early")
 

@@ -479,7 +479,7 @@ class MooncakeStore(KVStore):
             # Other puts or tombstones are listed: what was read stands if that put still holds the
             # newest value of every row read (a later put of other fields, say); else read again.
             resolved = self._resolve(partition_id, part, keys, fields, hints, lines, deadline)
-            if all(r.whole is not None and r.whole.put_id == hinted.put_id for r in resolved.values()):
+            if all(self._only_from(r, hinted) for r in resolved.values()):
                 return None
             return self._get_checked(partition_id, part, keys, fields, hints, deadline, lines, resolved)
 
@@ -533,6 +533,13 @@ class MooncakeStore(KVStore):
         return index_key, *self.reader.whole_reads(
             {f: (data_key(head, parsed[0], f), n) for f, n in zip(fields, nbytes, strict=True)}
         )
+
+    @staticmethod
+    def _only_from(res: Resolved, p: PutIndex) -> bool:
+        """Whether every row of ``res`` is row j of put ``p`` at position j (what a whole read of it got)."""
+        if res.whole is not None:
+            return res.whole.put_id == p.put_id
+        return all(q.put_id == p.put_id and i == j for j, (q, i) in enumerate(res.locs))
 
     @staticmethod
     def _names(hinted: PutIndex, fields: Sequence[str], ops: Sequence[ReadOp]) -> bool:
