@@ -52,16 +52,6 @@ def _worker(
     inner: dict[str, float] = {}  # seconds of the last adapter-level (KVStore) put / get
     njt_keys: dict[str, list[str]] = {}  # tag -> the objects of a raw_njt put (values and offsets)
 
-    def _timed(name: str, fn: Any) -> Any:
-        def wrapper(*a: Any, **k: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                inner[name] = time.perf_counter() - t0
-
-        return wrapper
-
     def _timed_get(fn: Any) -> Any:
         """The adapter's share of a get: starting it, ``plan`` where it ran on the calling thread (not
         beside the transfer), and ``finish`` (the client decodes in between, or beside)."""
@@ -91,7 +81,26 @@ def _worker(
 
         return started
 
-    client.store.put = _timed("put", client.store.put)  # type: ignore[attr-defined]
+    def _timed_put(fn: Any) -> Any:
+        """The adapter's share of a put: starting it, and the rest once the client has checked it."""
+
+        def started(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            rest = fn(*a, **k)
+            spent = time.perf_counter() - t0
+
+            def timed_rest(*a: Any, **k: Any) -> Any:
+                t1 = time.perf_counter()
+                try:
+                    return rest(*a, **k)
+                finally:
+                    inner["put"] = spent + time.perf_counter() - t1
+
+            return timed_rest
+
+        return started
+
+    client.store.put_started = _timed_put(client.store.put_started)  # type: ignore[attr-defined]
     client.store.get_started = _timed_get(client.store.get_started)  # type: ignore[attr-defined]
     conn.send(("ready", os.getpid()))
     try:

@@ -14,10 +14,12 @@ import functools
 import logging
 import os
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from tensordict import TensorDict
 
@@ -31,12 +33,14 @@ from dataplane.client import (
     PadValues,
     check_shape,
 )
-from dataplane.codec.jagged import lengths_of
 from dataplane.codec.wire import Column, Layout, decode_columns, encode_fields, validate_field_name
 from dataplane.errors import ClientClosed, DataPlaneError, DataPlaneTimeout, InvalidArgument, SchemaError
 from dataplane.meta import KVBatchMeta, check_keys, trusted_meta
 
-__all__ = ["KVStore", "StoreClient"]
+__all__ = ["KVStore", "PutRest", "StoreClient"]
+
+# what KVStore.put_started returns: the rest of a put, given (keys, columns, tags)
+PutRest = Callable[[Sequence[str], Mapping[str, Column], Sequence[Mapping[str, Any]] | None], dict[str, Any] | None]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +75,27 @@ class KVStore(ABC):
         *,
         timeout_s: float,
     ) -> dict[str, Any] | None: ...
+
+    def put_started(self, partition_id: str, *, timeout_s: float) -> PutRest:
+        """A put begun before its arguments are checked; the returned function does the rest
+        (``put`` without ``partition_id`` and ``timeout_s``, whose clock starts here).
+
+        The client calls this first and the returned function once it has checked the put, or never
+        when the check fails. A backend that must ask the store something on every put (Mooncake
+        lists the partition's puts for the schema check) asks here, so the answer travels while
+        the client validates and encodes. The default defers to :meth:`put`.
+        """
+        deadline = time.monotonic() + timeout_s
+
+        def rest(
+            keys: Sequence[str], columns: Mapping[str, Column], tags: Sequence[Mapping[str, Any]] | None
+        ) -> dict[str, Any] | None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DataPlaneTimeout("the put ran out of time before it was written; raise timeout_s")
+            return self.put(partition_id, keys, columns, tags, timeout_s=left)
+
+        return rest
 
     @abstractmethod
     def get(
@@ -209,7 +234,7 @@ def _common_lengths(columns: Mapping[str, Column]) -> tuple[int, ...] | None:
             found = offsets
         elif offsets is not found and not torch.equal(found, offsets):  # equal offsets <=> equal lengths
             return None
-    return None if found is None else tuple(lengths_of(found).tolist())
+    return None if found is None else tuple(np.diff(found.numpy()).tolist())  # CPU int64 (encode_fields)
 
 
 class StoreClient(DataPlaneClient):
@@ -270,6 +295,7 @@ class StoreClient(DataPlaneClient):
     ) -> KVBatchMeta:
         self._check_open()
         pid = _check_partition(partition_id)
+        write = self._store.put_started(pid, timeout_s=self.timeout_s)  # its questions travel meanwhile
         key_list = check_keys(keys)
         self._store.validate_keys(key_list)
         tag_list = _check_tags(tags, len(key_list))
@@ -283,7 +309,7 @@ class StoreClient(DataPlaneClient):
             sequence_lengths=_common_lengths(columns),
             tags=None if tag_list is None else tuple(tag_list),
         )
-        extra = self._store.put(pid, key_list, columns, tag_list, timeout_s=self.timeout_s)
+        extra = write(key_list, columns, tag_list)
         if extra:
             meta.extra_info.update(extra)  # the meta's own dict, not yet shared with anyone
         return meta

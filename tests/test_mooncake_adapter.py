@@ -3,6 +3,7 @@ hints, GC, key rules, chunking, typed errors and the fork guard (real Mooncake p
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import subprocess
 import sys
@@ -18,10 +19,19 @@ import torch
 
 import dataplane
 from dataplane.adapters import _mc_handle
+from dataplane import store as store_module
 from dataplane.adapters._mc_index import PartitionState
+from dataplane.adapters._mc_store import _STAGE_BYTES
 from dataplane.adapters.mooncake import MooncakeConfig, parse_bytes
 from dataplane.columns import first_write
-from dataplane.errors import BackendUnavailable, CapacityExceeded, ClientClosed, InvalidArgument, KeyNotFound
+from dataplane.errors import (
+    BackendUnavailable,
+    CapacityExceeded,
+    ClientClosed,
+    InvalidArgument,
+    KeyNotFound,
+    SchemaError,
+)
 from dataplane.meta import KVBatchMeta
 from dataplane.store import StoreClient
 from dataplane.testing.strategies import bit_exact
@@ -214,6 +224,44 @@ class TestMooncakeAdapter:
         finally:
             other.kv_clear(partition_id="unread")
 
+    def test_a_put_asks_for_the_listing_before_checking_its_arguments(
+        self, owner: StoreClient, other: StoreClient, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        order: list[tuple[str, str]] = []
+        admin = other.store.admin  # type: ignore[attr-defined]
+        monkeypatch.setattr(admin, "start_all_keys", _recording(order, "listing", admin.start_all_keys))
+        monkeypatch.setattr(store_module, "check_keys", _recording(order, "check", store_module.check_keys))
+        try:
+            other.kv_batch_put(["a", "b"], {"x": torch.ones(2)}, partition_id="early")
+            assert [name for name, _ in order] == ["listing", "check"]
+            with pytest.raises(InvalidArgument, match="unique"):  # asked, then refused (the answer left unread)
+                other.kv_batch_put(["c", "c"], {"x": torch.ones(2)}, partition_id="early")
+            with pytest.raises(SchemaError):  # the next put still checks against the first one
+                other.kv_batch_put(["d"], {"x": torch.ones(1, dtype=torch.int8)}, partition_id="early")
+            other.kv_batch_put(["e"], {"x": torch.ones(1)}, partition_id="early")
+            assert sorted(other.kv_list("early")["early"]) == ["a", "b", "e"]  # the refused puts wrote nothing
+        finally:
+            other.kv_clear(partition_id="early")
+
+    def test_index_bodies_go_out_from_reused_staging_buffers(self, owner: StoreClient) -> None:
+        store = owner.store  # type: ignore[attr-defined]
+        small, large = bytes(range(256)) * 8, b"\x07" * (_STAGE_BYTES + 1)
+        a_ptr, a = store._sendable_bytes(small)
+        if store.handle.shm is None:  # over TCP the bytes go out from where they are
+            assert a is small and ctypes.string_at(a_ptr, len(small)) == small
+            return
+        b_ptr, b = store._sendable_bytes(small)  # the first still in use: another buffer
+        assert a_ptr != b_ptr and ctypes.string_at(a_ptr, len(small)) == ctypes.string_at(b_ptr, len(small)) == small
+        store._unstage(a)
+        store._unstage(b)
+        big_ptr, big = store._sendable_bytes(large)
+        assert ctypes.string_at(big_ptr, len(large)) == large
+        store._unstage(big)  # too large to keep
+        again, holder = store._sendable_bytes(small[::-1])
+        assert again in (a_ptr, b_ptr) and ctypes.string_at(again, len(small)) == small[::-1]
+        assert store.handle.reaches(again, len(small)) and store.handle.reaches(big_ptr, len(large))  # shared
+        store._unstage(holder)
+
     def test_whole_put_lands_in_a_registered_buffer(
         self, owner: StoreClient, other: StoreClient, monkeypatch: pytest.MonkeyPatch
     ) -> None:
@@ -265,22 +313,17 @@ class TestMooncakeAdapter:
         ids = torch.randint(0, 150_000, (8, 4096))
         lens = [4096, 1, 3000, 17, 2048, 4000, 5, 999]
         store = other.store  # type: ignore[attr-defined]
-        sendable = store._sendable
-        sent: list[tuple[int, int, int]] = []  # (source ptr, sent ptr, bytes)
-
-        def spy(values: torch.Tensor) -> torch.Tensor:
-            out = sendable(values)
-            sent.append((values.data_ptr(), out.data_ptr(), values.numel() * values.element_size()))
-            return out
-
-        monkeypatch.setattr(store, "_sendable", spy)
+        spy = _Spy(monkeypatch, store, ["_staged"])
+        sends = _Spy(monkeypatch, store.handle, ["put_from"])
         meta = first_write(
             other, {"input_ids": ids}, uids=["p0", "p1"], group_size=4, partition_id="fw",
             token_fields=["input_ids"], lengths=lens,
         )  # fmt: skip
         try:
-            big = [s for s in sent if s[2] >= 8 * sum(lens)]
-            assert big and all(src == out for src, out, _ in big)  # sent from where first_write gathered it
+            _, ptrs, sizes = sends.args["put_from"][0]
+            big = [ptr for ptr, n in zip(ptrs, sizes, strict=True) if n == 8 * sum(lens)]
+            assert len(big) == 1 and all(n < 8 * sum(lens) for _, n in spy.args["_staged"])  # one object, no copy:
+            assert store.handle.shm is None or store.handle.reaches(big[0], 8 * sum(lens))  # sent where gathered
             got = owner.kv_batch_get(meta, select_fields="input_ids")["input_ids"]
             assert all(bit_exact(row, ids[i, :n]) for i, (row, n) in enumerate(zip(got.unbind(), lens, strict=True)))
         finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 import torch
@@ -109,6 +110,27 @@ def test_index_round_trip_and_make_index_agree() -> None:
     assert a.data_key("t") == f"{partition_prefix('ns', 'p')}d/0001-w/t"
     assert a.object_keys() == [a.data_key("t"), a.data_key("x"), key]
     pickle.loads(pickle.dumps(a.fields["t"].schema))
+
+
+def test_fields_sharing_offsets_store_them_once() -> None:
+    off, other = np.arange(301, dtype=np.int64) * 5, np.arange(301, dtype=np.int64) * 2
+    keys = [f"k{i}" for i in range(300)]
+    shared = {f"t{j}": (JAG, 1500 * 8, off) for j in range(6)}
+    one = encode_index(keys, {"t0": (JAG, 1500 * 8, off)}, None)
+    body = encode_index(keys, {**shared, "u": (JAG, 600 * 8, other)}, None)
+    assert len(body) < len(one) + 2 * off.nbytes  # six fields, two arrays: each stored once
+    got = decode_index("k", "1-w", body)
+    arrays = {id(got.fields[f].offsets) for f in shared}
+    assert len(arrays) == 1 and id(got.fields["u"].offsets) not in arrays
+    assert np.array_equal(got.fields["t5"].offsets, off) and np.array_equal(got.fields["u"].offsets, other)
+
+
+@pytest.mark.parametrize("slot", [1, -1, "0", 0.0, True])
+def test_an_index_naming_missing_offsets_is_a_typed_error(slot: object) -> None:
+    body = msgpack.unpackb(encode_index(["a"], {"t": (JAG, 8, np.array([0, 1], dtype=np.int64))}, None))
+    body["fields"]["t"]["o"] = slot
+    with pytest.raises(BackendUnavailable, match="unreadable.*offsets"):
+        decode_index("k", "1-w", msgpack.packb(body))
 
 
 def test_corrupt_index_is_a_typed_error() -> None:

@@ -50,7 +50,7 @@ __all__ = [
     "partition_prefix",
 ]
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: fields name their offsets by place in one list (1 repeated them per field)
 _NS_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _ID_LOCK = threading.Lock()
 _LAST_NS = 0
@@ -182,17 +182,21 @@ def encode_index(
     *,
     op: Literal["put", "del"] = "put",
 ) -> bytes:
-    """msgpack of an index object. ``fields``: name -> (schema, nbytes, element offsets or None)."""
-    blobs: dict[int, bytes] = {}  # fields sharing one offsets array: serialized once (equal bytes)
+    """msgpack of an index object. ``fields``: name -> (schema, nbytes, element offsets or None).
+    Fields sharing one offsets array (the usual per-token fields of a batch) store it once."""
+    slots: dict[int, int] = {}  # id(offsets array) -> its place in "offsets"
+    blobs: list[bytes] = []
     for _, _, off in fields.values():
-        if off is not None and id(off) not in blobs:
-            blobs[id(off)] = off.astype("<i8").tobytes()
+        if off is not None and id(off) not in slots:
+            slots[id(off)] = len(blobs)
+            blobs.append(off.astype("<i8").tobytes())
     body = {
         "v": INDEX_VERSION,
         "op": op,
         "keys": list(keys),
+        "offsets": blobs,
         "fields": {
-            name: {"s": schema.to_dict(), "n": int(n), "o": None if off is None else blobs[id(off)]}
+            name: {"s": schema.to_dict(), "n": int(n), "o": None if off is None else slots[id(off)]}
             for name, (schema, n, off) in fields.items()
         },
         "tags": None if tags is None else [dict(t) for t in tags],
@@ -208,14 +212,13 @@ def decode_index(key: str, put_id: str, data: bytes) -> PutIndex:
         if body.get("v") != INDEX_VERSION:
             raise ValueError(f"index version {body.get('v')!r}, this dataplane reads {INDEX_VERSION}")
         fields: dict[str, FieldEntry] = {}
-        shared: dict[bytes, np.ndarray] = {}  # fields with equal row offsets share one array
+        arrays = [np.frombuffer(blob, dtype="<i8").astype(np.int64) for blob in body["offsets"]]
         for name, f in body["fields"].items():
             schema = FieldSchema.from_dict(f["s"])
-            off = None
-            if f["o"] is not None:
-                off = shared.get(f["o"])
-                if off is None:
-                    off = shared[f["o"]] = np.frombuffer(f["o"], dtype="<i8").astype(np.int64)
+            slot = f["o"]
+            if slot is not None and (type(slot) is not int or not 0 <= slot < len(arrays)):
+                raise ValueError(f"field {name!r} names offsets {slot!r} of {len(arrays)}")
+            off = None if slot is None else arrays[slot]  # fields sharing offsets share one array
             fields[name] = FieldEntry(schema, int(f["n"]), off, schema.row_nbytes)
         tags = None if body["tags"] is None else tuple(dict(t) for t in body["tags"])
         return PutIndex(key, put_id, body["op"], tuple(body["keys"]), fields, tags)

@@ -16,6 +16,7 @@ into the per-row state (see :meth:`MooncakeStore.get_started`).
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import threading
@@ -67,7 +68,7 @@ from dataplane.errors import (
 from dataplane.hostcopy import copy_bytes
 from dataplane.meta import KVBatchMeta
 from dataplane.schema import FieldSchema, check_compatible
-from dataplane.store import KVStore
+from dataplane.store import KVStore, PutRest
 
 __all__ = ["HINT_KEY", "READ_KEY", "MooncakeStore"]
 
@@ -79,7 +80,15 @@ HINT_KEY = "mooncake_index"  # meta.extra_info[HINT_KEY] = {index key: index byt
 READ_KEY = "mooncake_read"
 MAX_KEY_LEN = 512
 _ATTEMPTS = 4
-_EARLY_MAX_BYTES = 1 << 30  # larger gets take their sizes from the index (their fixed costs matter less)
+_EARLY_MAX_BYTES = 1 << 30
+_STAGE_BYTES = 64 << 10  # staging buffer of index bodies (one of 4096 rows with a few fields fits)
+
+
+def _address(body: bytes) -> int:
+    """Where the bytes of ``body`` lie (valid while ``body`` is alive)."""
+    ptr = ctypes.cast(ctypes.c_char_p(body), ctypes.c_void_p).value
+    assert ptr is not None
+    return ptr  # larger gets take their sizes from the index (their fixed costs matter less)
 
 
 @dataclass
@@ -152,6 +161,7 @@ class MooncakeStore(KVStore):
                 on_drop=handle.unregister,
             )
         self.reader = Reader(handle, self.pool)
+        self._stages: list[tuple[int, torch.Tensor]] = []  # see _sendable_bytes
         self.deployment: Any = None  # the LocalDeployment a mooncake://local client owns
         self.master_address = ""
         self.join_url = ""  # what other processes pass to dataplane.connect() to share this store
@@ -256,8 +266,30 @@ class MooncakeStore(KVStore):
         *,
         timeout_s: float,
     ) -> dict[str, Any] | None:
+        return self.put_started(partition_id, timeout_s=timeout_s)(keys, columns, tags)
+
+    def put_started(self, partition_id: str, *, timeout_s: float) -> PutRest:
+        """Ask for the listing (the schema check needs every writer's puts) before the client has
+        checked the put: the master answers while the client validates and encodes."""
         deadline = time.monotonic() + timeout_s
         listing = self._start_listing(deadline)
+
+        def rest(
+            keys: Sequence[str], columns: Mapping[str, Column], tags: Sequence[Mapping[str, Any]] | None
+        ) -> dict[str, Any]:
+            return self._put(partition_id, keys, columns, tags, listing, deadline)
+
+        return rest
+
+    def _put(
+        self,
+        partition_id: str,
+        keys: Sequence[str],
+        columns: Mapping[str, Column],
+        tags: Sequence[Mapping[str, Any]] | None,
+        listing: Callable[[], list[str]],
+        deadline: float,
+    ) -> dict[str, Any]:
         planned = self._plan_put(partition_id, new_put_id(self.writer), keys, columns, tags)
         lines = listing()
         part = self._part(partition_id)
@@ -305,10 +337,13 @@ class MooncakeStore(KVStore):
             entries[name] = (col.schema, nbytes, offsets)
             if not nbytes:  # Mooncake cannot store 0 bytes: no object, the index says 0
                 continue
-            values = self._sendable(values)
+            ptr = values.data_ptr()
+            if self._stage_puts and not self.handle.reaches(ptr, nbytes):
+                values = self._staged(values, nbytes)
+                ptr = values.data_ptr()
             plan.hold.append(values)
             plan.obj_keys.append(data_key(head, put_id, name))
-            plan.ptrs.append(values.data_ptr())
+            plan.ptrs.append(ptr)
             plan.sizes.append(nbytes)
         plan.body = encode_index(keys, entries, tags)
         plan.index_key = f"{head}i/{put_id}.{len(plan.body)}"
@@ -316,14 +351,17 @@ class MooncakeStore(KVStore):
         return plan
 
     def _put_checked(self, part: _Part, partition_id: str, plan: _PlannedPut, deadline: float) -> dict[str, Any]:
-        index_buf = self._sendable_bytes(plan.body)
-        self._write(
-            [*plan.obj_keys, plan.index_key],
-            [*plan.ptrs, index_buf.data_ptr()],
-            [*plan.sizes, len(plan.body)],
-            partition_id,
-            deadline,
-        )
+        index_ptr, index_buf = self._sendable_bytes(plan.body)
+        try:
+            self._write(
+                [*plan.obj_keys, plan.index_key],
+                [*plan.ptrs, index_ptr],
+                [*plan.sizes, len(plan.body)],
+                partition_id,
+                deadline,
+            )
+        finally:
+            self._unstage(index_buf)
         plan.hold.clear()
         assert plan.index is not None
         with part.lock:
@@ -335,14 +373,10 @@ class MooncakeStore(KVStore):
             READ_KEY: [plan.index_key, len(keys), keys[0], keys[-1], sizes],
         }
 
-    def _sendable(self, values: torch.Tensor) -> torch.Tensor:
-        """Contiguous ``values`` as memory a put can send: as they are over TCP, or when they already lie
-        in memory this client registered (from :meth:`empty`, or fetched by a get: a write-back); else
-        copied into the pool (RDMA sends only registered memory, a shared-memory client only its shared
-        memory)."""
-        nbytes = values.numel() * values.element_size()
-        if not self._stage_puts or self.handle.reaches(values.data_ptr(), nbytes):
-            return values
+    def _staged(self, values: torch.Tensor, nbytes: int) -> torch.Tensor:
+        """Contiguous ``values`` copied into the pool, for a client that sends only memory it registered
+        (RDMA) or shares (shared memory). Puts send as they are what they can: anything over TCP, and
+        memory of this client's from :meth:`empty` or from a get (a write-back)."""
         staged = self.pool.empty(nbytes)
         copy_bytes(staged, values)  # not torch's copy_: its spinning threads would slow the send that follows
         return staged
@@ -350,13 +384,27 @@ class MooncakeStore(KVStore):
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return self.pool.tensor(shape, dtype) if self._stage_puts else torch.empty(shape, dtype=dtype)
 
-    def _sendable_bytes(self, body: bytes) -> torch.Tensor:
-        """``body`` in memory a put can send (one numpy copy: this is on every put's path)."""
+    def _sendable_bytes(self, body: bytes) -> tuple[int, Any]:
+        """The address of ``body`` in memory a put can send, and what keeps it there: hand that to
+        :meth:`_unstage` once written. Over TCP the bytes themselves; else a copy in a staging buffer
+        kept for the next put (this is on every put's path), or in a pool buffer when the body is
+        larger or every staging buffer is in use."""
         if not self._stage_puts:
-            return torch.frombuffer(bytearray(body), dtype=torch.uint8)
-        staged = self.pool.empty(len(body))
-        staged.numpy()[:] = np.frombuffer(body, dtype=np.uint8)
-        return staged
+            return _address(body), body
+        n = len(body)
+        try:
+            stage = self._stages.pop() if n <= _STAGE_BYTES else None
+        except IndexError:  # all in use (puts from several threads): one more
+            stage = None
+        if stage is None:
+            buf = self.pool.empty(max(n, _STAGE_BYTES))
+            stage = (buf.data_ptr(), buf)
+        ctypes.memmove(stage[0], body, n)
+        return stage[0], stage
+
+    def _unstage(self, holder: Any) -> None:
+        if type(holder) is tuple and holder[1].numel() == _STAGE_BYTES and len(self._stages) < 4:
+            self._stages.append(holder)
 
     def _write(self, keys: list[str], ptrs: list[int], sizes: list[int], partition_id: str, deadline: float) -> None:
         """All-or-nothing hard-pinned upsert; retries transfer/RPC failures (a dead server's segment)."""
@@ -673,13 +721,15 @@ class MooncakeStore(KVStore):
                 put_id = new_put_id(self.writer)
                 body = encode_index(doomed, {}, None, op="del")
                 key = f"{index_prefix(self.ns, partition_id)}{put_id}.{len(body)}"
-                buf = self._sendable_bytes(body)
+                ptr, buf = self._sendable_bytes(body)
                 try:
-                    self._write([key], [buf.data_ptr()], [len(body)], partition_id, deadline)
+                    self._write([key], [ptr], [len(body)], partition_id, deadline)
                 except CapacityExceeded:  # a full store must still be clearable: free space, then retry
                     self._remove(doomed_objects)
                     doomed_objects = []
-                    self._write([key], [buf.data_ptr()], [len(body)], partition_id, deadline)
+                    self._write([key], [ptr], [len(body)], partition_id, deadline)
+                finally:
+                    self._unstage(buf)
                 known[put_id] = decode_index(key, put_id, body)
             self._remove(doomed_objects)
             for p in garbage:
@@ -724,6 +774,7 @@ class MooncakeStore(KVStore):
         if self.deployment is not None and self.handle.shm is None:
             # its 1-2 s unmount overlaps ours (a shared-memory client must detach from it first)
             self.deployment.server.request_stop()
+        self._stages = []
         try:
             self.pool.close()
             self.handle.close()
