@@ -50,7 +50,7 @@ __all__ = [
     "partition_prefix",
 ]
 
-INDEX_VERSION = 2  # 2: fields name their offsets by place in one list (1 repeated them per field)
+INDEX_VERSION = 2  # 2: offsets stored once, named by place; keys one newline-joined str (1: a list of str)
 _NS_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _ID_LOCK = threading.Lock()
 _LAST_NS = 0
@@ -193,7 +193,7 @@ def encode_index(
     body = {
         "v": INDEX_VERSION,
         "op": op,
-        "keys": list(keys),
+        "keys": "\n".join(keys),  # keys are printable: one string, split in C when read
         "offsets": blobs,
         "fields": {
             name: {"s": schema.to_dict(), "n": int(n), "o": None if off is None else slots[id(off)]}
@@ -221,7 +221,10 @@ def decode_index(key: str, put_id: str, data: bytes) -> PutIndex:
             off = None if slot is None else arrays[slot]  # fields sharing offsets share one array
             fields[name] = FieldEntry(schema, int(f["n"]), off, schema.row_nbytes)
         tags = None if body["tags"] is None else tuple(dict(t) for t in body["tags"])
-        return PutIndex(key, put_id, body["op"], tuple(body["keys"]), fields, tags)
+        joined = body["keys"]
+        if type(joined) is not str:
+            raise ValueError(f"keys are a {type(joined).__name__}, not one str")
+        return PutIndex(key, put_id, body["op"], tuple(joined.split("\n")) if joined else (), fields, tags)
     except (ValueError, KeyError, TypeError, SchemaError, msgpack.UnpackException) as e:
         raise BackendUnavailable(
             f"index object {key!r} is unreadable ({type(e).__name__}: {e}); was it written by another "
