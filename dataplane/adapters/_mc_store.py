@@ -80,7 +80,7 @@ HINT_KEY = "mooncake_index"  # meta.extra_info[HINT_KEY] = {index key: index byt
 READ_KEY = "mooncake_read"
 MAX_KEY_LEN = 512
 _ATTEMPTS = 4
-_EARLY_MAX_BYTES = 1 << 30
+_EARLY_MAX_BYTES = 1 << 30  # larger gets take their sizes from the index (their fixed costs matter less)
 _STAGE_BYTES = 64 << 10  # staging buffer of index bodies (one of 4096 rows with a few fields fits)
 
 
@@ -88,7 +88,7 @@ def _address(body: bytes) -> int:
     """Where the bytes of ``body`` lie (valid while ``body`` is alive)."""
     ptr = ctypes.cast(ctypes.c_char_p(body), ctypes.c_void_p).value
     assert ptr is not None
-    return ptr  # larger gets take their sizes from the index (their fixed costs matter less)
+    return ptr
 
 
 @dataclass
@@ -375,8 +375,8 @@ class MooncakeStore(KVStore):
 
     def _staged(self, values: torch.Tensor, nbytes: int) -> torch.Tensor:
         """Contiguous ``values`` copied into the pool, for a client that sends only memory it registered
-        (RDMA) or shares (shared memory). Puts send as they are what they can: anything over TCP, and
-        memory of this client's from :meth:`empty` or from a get (a write-back)."""
+        (RDMA) or shares (shared memory). Everything else goes out as it is: any memory over TCP, and
+        this client's own memory (from :meth:`empty`, or from a get: a write-back)."""
         staged = self.pool.empty(nbytes)
         copy_bytes(staged, values)  # not torch's copy_: its spinning threads would slow the send that follows
         return staged
