@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import dataplane
-from dataplane.adapters import _mc_handle
 from dataplane import store as store_module
+from dataplane.adapters import _mc_handle
 from dataplane.adapters._mc_index import PartitionState
 from dataplane.adapters._mc_store import _STAGE_BYTES
 from dataplane.adapters.mooncake import MooncakeConfig, parse_bytes

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import pickle
+import socket
+import threading
+import time
 from typing import Any
 
 import msgpack
@@ -12,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dataplane.adapters._mc_handle import _lines, error_for
+from dataplane.adapters._mc_handle import AdminClient, _lines, error_for
 from dataplane.adapters._mc_index import (
     PartitionState,
     PutIndex,
@@ -129,7 +132,7 @@ def test_fields_sharing_offsets_store_them_once() -> None:
 def test_an_index_naming_missing_offsets_is_a_typed_error(slot: object) -> None:
     body = msgpack.unpackb(encode_index(["a"], {"t": (JAG, 8, np.array([0, 1], dtype=np.int64))}, None))
     body["fields"]["t"]["o"] = slot
-    with pytest.raises(BackendUnavailable, match="unreadable.*offsets"):
+    with pytest.raises(BackendUnavailable, match=r"unreadable.*offsets"):
         decode_index("k", "1-w", msgpack.packb(body))
 
 
@@ -231,3 +234,44 @@ def test_fold_and_gc_match_a_dict_model(ops: list[tuple[str, list[str], list[str
             _, _, res = state.resolve([k], [f])
             p, i = res[f].locs[0]
             assert (p.put_id, i) == want
+
+
+def _http_server(answers: list[list[bytes]]) -> int:
+    """A one-connection HTTP server on loopback: each request gets the next answer, sent in its parts
+    with a pause between them (as a slow master's answer arrives)."""
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            for parts in answers:
+                request = b""
+                while b"\r\n\r\n" not in request:
+                    request += conn.recv(4096)
+                for i, part in enumerate(parts):
+                    if i:
+                        time.sleep(0.05)
+                    conn.sendall(part)
+            conn.recv(1)  # until the client closes
+        srv.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return int(srv.getsockname()[1])
+
+
+def test_listing_answers_in_every_form_are_read_on_one_connection() -> None:
+    ok = b"HTTP/1.1 200 OK\r\nServer: cinatra\r\n"
+    answers = [
+        [ok + b"Content-Length: 4\r\n\r\na\nb\n"],  # whole in one read (the usual case)
+        [ok + b"Content-Length: 5\r\n\r\nc\n", b"dd\n"],  # body in two reads
+        [ok + b"CONTENT-LE", b"NGTH: 2\r\n\r\nf\n"],  # head in two reads
+        [ok + b"Transfer-Encoding: chunked\r\n\r\n2\r\ne\n\r\n0\r\n\r\n"],
+        [ok + b"Content-Length: 2\r\n\r\ng\n"],
+    ]
+    admin = AdminClient("127.0.0.1", _http_server(answers))
+    try:
+        got = [[k for k in admin.all_keys(5.0) if k] for _ in answers]
+        assert got == [["a", "b"], ["c", "dd"], ["f"], ["e"], ["g"]]
+        assert len(admin._all) == 1  # one keep-alive connection throughout
+    finally:
+        admin.close()

@@ -404,11 +404,11 @@ class AdminClient:
         data: bytes = self._local.buf or sock.recv(1 << 16)
         end = data.find(b"\r\n\r\n")
         if end > 0 and data.startswith(b"HTTP/1.1 200 "):  # the usual answer, whole in one read: a few C calls
-            head = data[:end].lower()
-            at = head.find(b"\r\ncontent-length:")
-            if at > 0 and b"\r\nconnection: close" not in head and b"\r\ntransfer-encoding:" not in head:
-                stop = head.find(b"\r\n", at + 2)
-                start, n = end + 4, int(head[at + 17 : stop if stop > 0 else end])
+            top = data[:end].lower()
+            at = top.find(b"\r\ncontent-length:")
+            if at > 0 and b"\r\nconnection: close" not in top and b"\r\ntransfer-encoding:" not in top:
+                stop = top.find(b"\r\n", at + 2)
+                start, n = end + 4, int(top[at + 17 : stop if stop > 0 else end])
                 if len(data) >= start + n:
                     self._local.buf = data[start + n :]
                     return data[start : start + n]
