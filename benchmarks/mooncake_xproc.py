@@ -134,6 +134,52 @@ def _worker(
                     pid, url = args
                     (client if url is None else others[url]).kv_clear(partition_id=pid)
                     out = None
+                elif cmd == "put_loop":  # n copy-free puts back to back: (wall s, metas)
+                    size, tag, n = args
+                    b = in_memory[size]
+                    t0 = time.perf_counter()
+                    metas = [client.kv_batch_put(b.keys, b.fields, partition_id=f"{tag}-{i}") for i in range(n)]
+                    out = (time.perf_counter() - t0, metas)
+                elif cmd == "get_loop":  # a get of each meta back to back: (wall s, the first read again is bit-exact)
+                    size, metas, verify = args
+                    t0 = time.perf_counter()
+                    for meta in metas:
+                        del_me = client.kv_batch_get(meta, select_fields=list(meta.fields))
+                        del del_me
+                    dt = time.perf_counter() - t0
+                    ok = not verify or same_fields(
+                        client.kv_batch_get(metas[0], select_fields=list(metas[0].fields)), batches[size].fields
+                    )
+                    out = (dt, ok)
+                elif cmd == "clear_loop":
+                    tag, n = args
+                    for i in range(n):
+                        client.kv_clear(partition_id=f"{tag}-{i}")
+                    out = None
+                elif cmd in ("raw_put_loop", "raw_get_loop", "raw_clear_loop"):  # raw's twins of the above
+                    size, tag, n, *verify_last = args
+                    names = [name for name, _ in field_buffers(batches[size])]
+                    keys_of = [[f"rawx/{tag}/{i}/{name}" for name in names] for i in range(n)]
+                    if cmd == "raw_put_loop":
+                        raw.load(field_buffers(batches[size]))
+                        t0 = time.perf_counter()
+                        for keys in keys_of:
+                            raw.put(keys)
+                        out = time.perf_counter() - t0
+                    elif cmd == "raw_get_loop":
+                        raw.sizes = [b.numel() for _, b in field_buffers(batches[size])]
+                        t0 = time.perf_counter()
+                        for keys in keys_of:
+                            raw.get(keys)
+                        dt = time.perf_counter() - t0
+                        ok = True
+                        if verify_last and verify_last[0]:  # what the last get left in the buffer
+                            want = torch.cat([t for _, t in field_buffers(batches[size])]).numpy()
+                            ok = bool((raw.dst[: sum(raw.sizes)] == want).all())
+                        out = (dt, ok)
+                    else:
+                        raw.remove([k for keys in keys_of for k in keys])
+                        out = None
                 elif cmd == "raw_njt_put":  # raw put of the batch as kv_batch_put takes it (raw_njt)
                     size, tag = args
                     b = batches[size]
@@ -206,12 +252,19 @@ class _Proc:
         return int(value)
 
     def call(self, *msg: Any) -> Any:
+        self.send(*msg)
+        return self.answer(msg[0])
+
+    def send(self, *msg: Any) -> None:
         self.conn.send(msg)
+
+    def answer(self, what: str) -> Any:
+        """The worker's answer to the command ``what`` sent last."""
         if not self.conn.poll(TIMEOUT_S):
-            raise TimeoutError(f"worker gave no answer to {msg[0]!r} within {TIMEOUT_S}s")
+            raise TimeoutError(f"worker gave no answer to {what!r} within {TIMEOUT_S}s")
         kind, value = self.conn.recv()
         if kind != "ok":
-            raise RuntimeError(f"{msg[0]} failed in worker: {value}")
+            raise RuntimeError(f"{what} failed in worker: {value}")
         return value
 
     def stop(self) -> None:

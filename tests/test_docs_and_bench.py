@@ -121,6 +121,27 @@ def test_mooncake_xproc_contenders_are_bit_exact(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.mooncake
+@pytest.mark.multiprocess
+@pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake is not installed")
+def test_concurrent_benchmark_reads_every_writer_back_bit_exact(tmp_path: Path) -> None:
+    """Several writers and readers at once: each reader reads its writer's batches bit-exact, ours and
+    raw, and the paired ratios are computed."""
+    out = tmp_path / "conc"
+    subprocess.run(
+        [sys.executable, "-m", "benchmarks.mooncake_concurrent", "--sizes", "1", "--fields", "5", "--writers", "2",
+         "--ops", "2", "--repeat", "2", "--warmup", "0", "--segment-gib", "1", "--out", str(out)],
+        cwd=ROOT, check=True, timeout=600, capture_output=True,
+    )  # fmt: skip
+    cell = json.loads(out.with_suffix(".json").read_text())["results"]["1MB"]
+    assert cell["bit_exact"] == {"ours": True, "raw": True}, cell["bit_exact"]
+    for op in ("put", "get"):
+        assert cell["ours"][op]["gbps"] > 0 and cell["raw"][op]["gbps"] > 0
+        assert cell[f"{op}_ours_vs_raw_paired"]["n"] == 2
+    assert "| 1MB | ours |" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.mooncake
 @pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake is not installed")
 def test_mooncake_scale_benchmark_fills_the_master_and_reads_back(tmp_path: Path) -> None:
     """The scaling benchmark puts the foreign objects it reports (its gets check bit-exactness)."""
