@@ -20,6 +20,9 @@ export PYTHONPATH=/tmp/site:$PWD LD_LIBRARY_PATH=$PWD/.devcarry/lib PYTHONUNBUFF
 nproc
 python3 -m benchmarks.mooncake_xproc --no-tq --repeat "$REPEAT" --out "$OUT/mooncake_xproc_16cpu"
 python3 -m benchmarks.mooncake_xproc --no-tq --tcp --repeat "$REPEAT" --out "$OUT/mooncake_xproc_tcp_16cpu"
+# several writers and readers at once (aggregate throughput)
+python3 -m benchmarks.mooncake_concurrent --out "$OUT/mooncake_concurrent_16cpu"
+python3 -m benchmarks.mooncake_concurrent --writers 4 --ops 4 --out "$OUT/mooncake_concurrent_4w_16cpu"
 # the same shared-memory run with the helper thread off (a get then plans and decodes before its transfer)
 DATAPLANE_DECODE_THREAD=0 python3 -m benchmarks.mooncake_xproc --no-tq --repeat "$REPEAT" \
     --out "$OUT/mooncake_xproc_16cpu_decode_off"
