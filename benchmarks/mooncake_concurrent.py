@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.mooncake_xproc import TIMEOUT_S, _Proc, median_ci95
+from benchmarks.mooncake_xproc import TIMEOUT_S, _Proc, machine_line, median_ci95
 from benchmarks.workload import bench_main
 
 MB = 1 << 20
@@ -142,9 +142,7 @@ def to_markdown(report: dict[str, Any]) -> str:
     lines = [
         "# mooncake:// with several writers and readers at once: aggregate throughput, ours vs raw Mooncake",
         "",
-        f"Machine: {m.get('cpu_count')} CPUs, {m.get('mem_total_gib')} GiB, {m.get('platform')}, torch {m.get('torch')}, "
-        f"mooncake {m.get('mooncake-transfer-engine-non-cuda', '?')}; load average before "
-        f"{', '.join(f'{x:.2f}' for x in m['loadavg_before'])}, after {', '.join(f'{x:.2f}' for x in m['loadavg_after'])}.",
+        machine_line(m),
         f"{cfg['writers']} writer and {cfg['readers']} reader processes (spawned), the store server another; each "
         f"writer makes {cfg['ops_per_process']} copy-free puts of `make_batch(size, {cfg['fields']} fields)` back "
         "to back, all writers at once, then each reader gets one writer's batches back the same way. Aggregate "

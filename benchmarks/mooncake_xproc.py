@@ -531,14 +531,21 @@ def _on_off(flag: bool | None) -> str:
     return "not recorded" if flag is None else ("on" if flag else "off")
 
 
+def machine_line(m: dict[str, Any]) -> str:
+    """The "Machine: ..." line of a report's markdown, from its ``machine`` dict."""
+    return (
+        f"Machine: {m.get('cpu_count')} CPUs, {m.get('mem_total_gib')} GiB, {m.get('platform')}, torch {m.get('torch')}, "
+        f"mooncake {m.get('mooncake-transfer-engine-non-cuda', '?')}; load average before "
+        f"{', '.join(f'{x:.2f}' for x in m['loadavg_before'])}, after {', '.join(f'{x:.2f}' for x in m['loadavg_after'])}."
+    )
+
+
 def to_markdown(report: dict[str, Any]) -> str:
     m = report["machine"]
     lines = [
         "# mooncake:// between processes: ours vs raw Mooncake vs TransferQueue",
         "",
-        f"Machine: {m.get('cpu_count')} CPUs, {m.get('mem_total_gib')} GiB, {m.get('platform')}, torch {m.get('torch')}, "
-        f"mooncake {m.get('mooncake-transfer-engine-non-cuda', '?')}; load average before "
-        f"{', '.join(f'{x:.2f}' for x in m['loadavg_before'])}, after {', '.join(f'{x:.2f}' for x in m['loadavg_after'])}.",
+        machine_line(m),
         f"Batches: `make_batch(size, {report['config']['fields']} fields)` (jagged token fields + a [B] reward); "
         f"writer and reader are separate spawned processes, the store server a third; medians of "
         f"{report['config']['repeat']} after {report['config']['warmup']} warm-up, contenders interleaved. "
