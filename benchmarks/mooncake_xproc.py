@@ -144,8 +144,9 @@ def _worker(
                     size, metas, verify = args
                     t0 = time.perf_counter()
                     for meta in metas:
-                        del_me = client.kv_batch_get(meta, select_fields=list(meta.fields))
-                        del del_me
+                        client.kv_batch_get(
+                            meta, select_fields=list(meta.fields)
+                        )  # dropped at once, as a trainer step would
                     dt = time.perf_counter() - t0
                     ok = not verify or same_fields(
                         client.kv_batch_get(metas[0], select_fields=list(metas[0].fields)), batches[size].fields

@@ -389,6 +389,8 @@ class TestMooncakeAdapter:
     def test_keys_must_be_ascii(self, owner: StoreClient) -> None:
         with pytest.raises(InvalidArgument, match="ASCII"):
             owner.kv_batch_put(["ключ"], {"x": torch.zeros(1)}, partition_id="keys")
+        with pytest.raises(InvalidArgument, match="printable characters"):  # the core bounds the length
+            owner.kv_batch_put(["k" * 513], {"x": torch.zeros(1)}, partition_id="keys")
         assert owner.kv_list("keys") == {}
 
     def test_empty_fields_store_no_object(self, owner: StoreClient, other: StoreClient) -> None:
