@@ -21,7 +21,7 @@ import dataplane
 from dataplane import store as store_module
 from dataplane.adapters import _mc_handle
 from dataplane.adapters._mc_index import PartitionState
-from dataplane.adapters._mc_store import _STAGE_BYTES
+from dataplane.adapters._mc_store import _STAGE_BYTES, HINT_KEY
 from dataplane.adapters.mooncake import MooncakeConfig, parse_bytes
 from dataplane.columns import first_write
 from dataplane.errors import (
@@ -112,6 +112,16 @@ def _recording(log: list[tuple[str, str]], name: str, fn: Callable[..., Any]) ->
     return wrapper
 
 
+def _recording_args(log: list[tuple[str, Any]], name: str, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``fn`` of one argument, noting its name and the argument in ``log`` first."""
+
+    def wrapper(arg: Any) -> Any:
+        log.append((name, arg))
+        return fn(arg)
+
+    return wrapper
+
+
 class _Spy:
     """Counts calls to methods of an object (listing, Mooncake batch calls)."""
 
@@ -143,7 +153,7 @@ class TestMooncakeAdapter:
         spy_mc = _Spy(monkeypatch, store.handle, ["put_from", "get_into", "get_ranges"])  # type: ignore[attr-defined]
         meta = owner.kv_batch_put(["a", "b", "c"], fields, partition_id="rt")
         try:
-            out = other.kv_batch_get(meta, select_fields=["ids", "r", "msg"])  # by meta: listing + data read
+            out = other.kv_batch_get(meta, select_fields=["ids", "r", "msg"])  # by meta: data read + listing
             assert [r.tolist() for r in out["ids"].unbind()] == [r.tolist() for r in rows]
             assert spy_admin.calls["start_all_keys"] == 1 and spy_mc.calls == {
                 "put_from": 0,
@@ -151,12 +161,16 @@ class TestMooncakeAdapter:
                 "get_ranges": 0,
             }
             meta2 = owner.kv_batch_put(["a", "b", "c"], {"adv": torch.zeros(3)}, partition_id="rt")
-            other.kv_batch_get(["a", "c"], partition_id="rt", select_fields=["adv", "r"])  # unseen put: + index read
-            assert spy_admin.calls["start_all_keys"] == 2 and spy_mc.calls["get_into"] == 3
-            other.kv_batch_get(meta2, select_fields=["adv"])  # steady state: listing + data read
-            assert spy_admin.calls["start_all_keys"] == 3 and spy_mc.calls["get_into"] == 4
+            # by keys, an unseen put: listing, index read, listing (the index is trusted once still
+            # listed after its read), data read, listing (so is the data)
+            other.kv_batch_get(["a", "c"], partition_id="rt", select_fields=["adv", "r"])
+            assert spy_admin.calls["start_all_keys"] == 4 and spy_mc.calls["get_into"] == 3
+            other.kv_batch_get(["a", "c"], partition_id="rt", select_fields=["adv"])  # seen: listing, data, listing
+            assert spy_admin.calls["start_all_keys"] == 6 and spy_mc.calls["get_into"] == 4
+            other.kv_batch_get(meta2, select_fields=["adv"])  # steady state: data read + listing
+            assert spy_admin.calls["start_all_keys"] == 7 and spy_mc.calls["get_into"] == 5
             other.kv_batch_put(["d"], {"r": torch.tensor([4.0])}, partition_id="rt")  # listing + one batch write
-            assert spy_admin.calls["start_all_keys"] == 4 and spy_mc.calls["put_from"] == 1
+            assert spy_admin.calls["start_all_keys"] == 8 and spy_mc.calls["put_from"] == 1
         finally:
             owner.kv_clear(partition_id="rt")
 
@@ -372,6 +386,102 @@ class TestMooncakeAdapter:
         assert not [k for k in _all_keys(owner) if k.startswith(head)]
         assert owner.kv_list(pid) == {}
 
+    def test_index_objects_go_before_the_data_they_name(
+        self, owner: StoreClient, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A reader trusts its bytes only while the put's index is still listed after the read, so no
+        data object may go while its index can still be listed."""
+        pid = "order"
+        first = owner.kv_batch_put(["a", "b"], {"x": torch.zeros(2, 4), "y": torch.zeros(2)}, partition_id=pid)
+        owner.kv_batch_put(["a", "b"], {"x": torch.ones(2, 4), "y": torch.ones(2)}, partition_id=pid)  # supersedes
+        calls: list[tuple[str, Any]] = []
+        handle = owner.store.handle  # type: ignore[attr-defined]
+        for name in ("remove", "remove_regex"):
+            monkeypatch.setattr(handle, name, _recording_args(calls, name, getattr(handle, name)))
+        try:
+            owner.kv_clear(["a"], partition_id=pid)  # collects the first put: its index, then its data
+            (index_key,) = first.extra_info[HINT_KEY]
+            head = "dataplane/order/d/"
+            assert [(n, sorted(a)) for n, a in calls] == [
+                ("remove", [index_key]),
+                ("remove", sorted(f"{head}{index_key.rsplit('/', 1)[1].rsplit('.', 1)[0]}/{f}" for f in "xy")),
+            ]
+            calls.clear()
+            owner.kv_clear(partition_id=pid)
+            assert calls == [("remove_regex", "^dataplane/order/i/"), ("remove_regex", "^dataplane/order/")]
+            assert not [k for k in _all_keys(owner) if k.startswith("dataplane/order/")]
+        finally:
+            monkeypatch.undo()
+            owner.kv_clear(partition_id=pid)
+
+    @pytest.mark.parametrize("by_meta", [True, False], ids=["by_meta", "by_keys"])
+    def test_a_read_whose_put_goes_under_it_is_not_trusted(
+        self, owner: StoreClient, other: StoreClient, monkeypatch: pytest.MonkeyPatch, by_meta: bool
+    ) -> None:
+        """A clear may free an object while another client reads it, and a put may fill the space: the
+        read then returns that put's bytes with no error. Here the partition is cleared and rewritten
+        right after the read, and the read's buffers overwritten as the new put's bytes would: the get
+        must not return them, but read the rows again."""
+        pid = "under"
+        meta = owner.kv_batch_put(["a", "b"], {"x": torch.zeros(2, 8)}, partition_id=pid)
+        if not by_meta:
+            other.kv_batch_get(["a", "b"], partition_id=pid, select_fields="x")  # its index is now cached
+        handle = other.store.handle  # type: ignore[attr-defined]
+        real = handle.get_into
+        fired: list[list[str]] = []
+
+        def get_into(keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+            codes = real(keys, ptrs, sizes)
+            if not fired and any("/d/" in k for k in keys):
+                fired.append(keys)
+                owner.kv_clear(partition_id=pid)
+                owner.kv_batch_put(["a", "b"], {"x": torch.full((2, 8), 7.0)}, partition_id=pid)
+                for ptr, n in zip(ptrs, sizes, strict=True):
+                    ctypes.memset(ptr, 0xFF, n)
+            return codes
+
+        monkeypatch.setattr(handle, "get_into", get_into)
+        try:
+            got = other.kv_batch_get(meta, select_fields="x") if by_meta else None
+            if got is None:
+                got = other.kv_batch_get(["a", "b"], partition_id=pid, select_fields="x")
+            assert fired and got["x"].eq(7).all()
+        finally:
+            monkeypatch.undo()
+            owner.kv_clear(partition_id=pid)
+
+    def test_an_index_read_whose_put_goes_under_it_is_not_decoded(
+        self, owner: StoreClient, other: StoreClient, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """As above, for the index object of a put this client has not seen: its bytes are decoded
+        only once a listing after the read still shows it. Here it is gone, so the get sees the
+        partition as it was between the clear and the new put (no rows), never an unreadable index."""
+        pid = "under_index"
+        owner.kv_batch_put(["a", "b"], {"x": torch.zeros(2, 8)}, partition_id=pid)
+        handle = other.store.handle  # type: ignore[attr-defined]
+        real = handle.get_into
+        fired: list[list[str]] = []
+
+        def get_into(keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+            codes = real(keys, ptrs, sizes)
+            if not fired and all("/i/" in k for k in keys):
+                fired.append(keys)
+                owner.kv_clear(partition_id=pid)
+                owner.kv_batch_put(["a", "b"], {"x": torch.full((2, 8), 7.0)}, partition_id=pid)
+                for ptr, n in zip(ptrs, sizes, strict=True):
+                    ctypes.memset(ptr, 0xFF, n)
+            return codes
+
+        monkeypatch.setattr(handle, "get_into", get_into)
+        try:
+            with pytest.raises(KeyNotFound):
+                other.kv_batch_get(["a", "b"], partition_id=pid, select_fields="x")
+            assert fired
+            assert other.kv_batch_get(["a", "b"], partition_id=pid, select_fields="x")["x"].eq(7).all()
+        finally:
+            monkeypatch.undo()
+            owner.kv_clear(partition_id=pid)
+
     def test_partition_names_are_isolated(self, owner: StoreClient) -> None:
         names = ["a", "a/i", "a.b", "über/1", "a%2Fi"]
         try:
@@ -458,8 +568,14 @@ class TestMooncakeAdapter:
                     assert [r.tolist() for r in out["ids"].unbind()] == [r.tolist() for r in rows]
                     main = threading.current_thread().name
                     assert [t for name, t in order if name == "get_into"] == [main]  # one read, by the caller
-                    helper = {t for name, t in order if name in ("_hints", "start_all_keys")}
-                    assert len(helper) == 1 and helper != {main}  # index and listing: beside the read
+                    helper = {t for name, t in order if name == "_hints"}
+                    assert len(helper) == 1 and helper != {main}  # the index is decoded beside the read
+                    # the one listing is asked for after the read (what was read is trusted only while
+                    # its put is still listed after it), by the caller
+                    assert [(name, t) for name, t in order if name != "_hints"] == [
+                        ("get_into", main),
+                        ("start_all_keys", main),
+                    ]
                 owner.kv_batch_put(["a", "b"], {"adv": torch.zeros(2)}, partition_id="early")  # other fields
                 for reads in (2, 1):  # the data, plus the other put's index while this client has not seen it
                     order.clear()

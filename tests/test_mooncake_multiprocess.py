@@ -9,7 +9,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -122,6 +122,111 @@ def test_concurrent_writer_processes_share_a_partition(owner: StoreClient) -> No
     out = owner.kv_batch_get(merged, select_fields=["reward"])
     assert out["reward"].shape == (48,)
     owner.kv_clear(partition_id="shared")
+
+
+_CHURN_KEYS = [f"k{i}" for i in range(32)]
+
+
+def _churn_row(version: int, i: int) -> torch.Tensor:
+    """Row ``i`` as put number ``version`` writes it: its length and every value say which put."""
+    return torch.full(((version * 7 + i) % 13 + 1,), version * 1000 + i, dtype=torch.int64)
+
+
+def _churn_writer(url: str, first: int, seconds: float, conn: Connection) -> None:
+    """Rewrite random subsets of the keys (both fields, or ``x`` alone) until ``seconds`` pass."""
+    import random
+
+    rng, n, version = random.Random(first), 0, first
+    with dataplane.connect(url, timeout_s=60) as c:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            version += 10
+            keys = rng.sample(_CHURN_KEYS, rng.randint(1, len(_CHURN_KEYS)))
+            ids = [int(k[1:]) for k in keys]
+            fields: dict[str, Any] = {
+                "x": torch.nested.as_nested_tensor([_churn_row(version, i) for i in ids], layout=torch.jagged)
+            }
+            if rng.random() < 0.7:
+                fields["y"] = torch.tensor([version * 1000 + i for i in ids])
+            c.kv_batch_put(keys, fields, partition_id="churn")
+            n += 1
+    conn.send(n)
+
+
+def _churn_clearer(url: str, seconds: float, conn: Connection) -> None:
+    """Clear some keys, or the whole partition, every few milliseconds."""
+    import random
+
+    rng, n = random.Random(7), 0
+    with dataplane.connect(url, timeout_s=60) as c:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            time.sleep(0.02)
+            if rng.random() < 0.2:
+                c.kv_clear(partition_id="churn")
+            else:
+                c.kv_clear(rng.sample(_CHURN_KEYS, 4), partition_id="churn")
+            n += 1
+    conn.send(n)
+
+
+def _churn_reader(url: str, seconds: float, conn: Connection) -> None:
+    """Read random keys; every row read must be one some put wrote, whole (never torn, never
+    another object's bytes). Sends (rows checked, gets that found keys missing, first bad row)."""
+    import random
+
+    rng, rows, missing, bad = random.Random(3), 0, 0, None
+    with dataplane.connect(url, timeout_s=60) as c:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and bad is None:
+            keys = rng.sample(_CHURN_KEYS, rng.randint(1, 8))
+            select = ["x", "y"] if rng.random() < 0.5 else ["x"]
+            try:
+                out = c.kv_batch_get(keys, partition_id="churn", select_fields=select)
+            except KeyNotFound:
+                missing += 1
+                continue
+            for key, x, *y in zip(keys, out["x"].unbind(), *([out["y"]] if "y" in select else []), strict=True):
+                i, value = int(key[1:]), int(x[0])
+                version = value // 1000
+                whole = value % 1000 == i and bool((x == value).all()) and len(x) == (version * 7 + i) % 13 + 1
+                if not whole or (y and int(y[0]) % 1000 != i):
+                    bad = (key, x.tolist(), [int(v) for v in y])
+                rows += 1
+    conn.send((rows, missing, bad))
+
+
+def test_reads_are_never_torn_while_rows_are_rewritten_and_cleared(owner: StoreClient) -> None:
+    """Two writer processes rewrite the same keys, a third clears them, a fourth reads. A clear frees
+    objects that a read may be in the middle of and a put fills the space at once: every row read
+    must still be one that a put wrote, whole."""
+    url = owner.store.join_url  # type: ignore[attr-defined]
+    seconds = 5.0
+    jobs: list[tuple[Callable[..., None], tuple[Any, ...]]] = [
+        (_churn_writer, (url, 0, seconds)),
+        (_churn_writer, (url, 1, seconds)),
+    ]
+    jobs += [(_churn_clearer, (url, seconds)), (_churn_reader, (url, seconds))]
+    conns, procs = [], []
+    for target, args in jobs:
+        parent, child = CTX.Pipe()
+        proc = CTX.Process(target=target, args=(*args, child))
+        proc.start()
+        conns.append(parent)
+        procs.append(proc)
+    try:
+        answers = []
+        for parent in conns:
+            assert parent.poll(seconds + 120), "a churn process sent nothing"
+            answers.append(parent.recv())
+    finally:
+        for proc in procs:
+            proc.join(timeout=60)
+    assert [proc.exitcode for proc in procs] == [0, 0, 0, 0]
+    puts_a, puts_b, clears, (rows, _missing, bad) = answers
+    assert bad is None, f"a torn or foreign row was read: {bad}"
+    assert puts_a and puts_b and clears and rows, answers  # every role made progress
+    owner.kv_clear(partition_id="churn")
 
 
 def _get_with_deadline(client: Any, meta: Any, seconds: float) -> tuple[BaseException | None, float]:

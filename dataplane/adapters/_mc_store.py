@@ -3,21 +3,25 @@
 
 Round trips. A put: one listing of the master's keys (schema check against every writer's puts),
 then one ``batch_upsert_from`` carrying the data objects and the index object together. A get: one
-listing, then one ``batch_get_into`` (or ``get_into_ranges``) for the data. Index objects are
-immutable and cached, so only puts this process has not seen cost one more read, and a get by the
-meta a put returned does not even pay that (the meta carries the put's index in ``extra_info``; it
-is used only while the listing still shows that index, so a stale hint never returns stale data).
-When the get asks for exactly the meta's rows in order (the usual RL read), the read is issued
-first, from the meta's read hint alone, while the index is decoded and checked against the hint and
-the listing is taken (beside the read where the client has a helper thread); what was read is kept
-when the listing shows that index as the partition's only one, and the rows are not even folded
-into the per-row state (see :meth:`MooncakeStore.get_started`).
+listing, then one ``batch_get_into`` (or ``get_into_ranges``) for the data, then one more listing:
+what was read is trusted only while the index of its put is still listed after the read (a clear
+removes index objects before data objects, and a clear may free an object mid-read for another put
+to fill). Index objects are immutable and cached, so only puts this process has not seen cost one
+more read (and a listing after it), and a get by the meta a put returned does not even pay that
+(the meta carries the put's index in ``extra_info``; it is used only while the listing still shows
+that index, so a stale hint never returns stale data). When the get asks for exactly the meta's
+rows in order (the usual RL read), the read is issued first, from the meta's read hint alone, while
+the index is decoded and checked against the hint (beside the read where the client has a helper
+thread), and the listing after the read is its only one; what was read is kept when that listing
+shows that index as the partition's only one, and the rows are not even folded into the per-row
+state (see :meth:`MooncakeStore.get_started`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -58,7 +62,6 @@ from dataplane.bufpool import BufferPool
 from dataplane.client import Capabilities, Listing
 from dataplane.codec.wire import Column
 from dataplane.errors import (
-    BackendUnavailable,
     CapacityExceeded,
     DataPlaneTimeout,
     InvalidArgument,
@@ -124,9 +127,6 @@ class _EarlyPlan:
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     hints: dict[str, PutIndex] | None = None
     hinted: PutIndex | None = None  # the put read, once plan has checked the reads name its objects
-    lines: list[str] | None = None  # the listing plan took, when it ran beside the transfer
-    listing: Callable[[], list[str]] | None = None  # or the listing it asked for, to read after it
-    only: bool = False  # whether the listing shows that put alone in the partition
     failed: bool = False
 
 
@@ -217,28 +217,49 @@ class MooncakeStore(KVStore):
         return part.state
 
     def _read_indexes(self, unread: list[tuple[str, str, int]], deadline: float) -> dict[str, PutIndex]:
+        """The index objects ``unread`` (put id, key, size) that are still there, decoded. What was
+        read is decoded only once a listing asked for after the read still shows it (see
+        :meth:`_still_listed`): a clear may free an index object while it is read, and a put may fill
+        the space, so a removed index can read as another one's bytes."""
         buf = self.pool.empty(max(1, sum(size for _, _, size in unread))).numpy()
         base, at, ptrs = int(buf.ctypes.data), 0, []
         for _, _, size in unread:
             ptrs.append(base + at)
             at += size
-        out: dict[str, PutIndex] = {}
         for attempt in range(_ATTEMPTS):
             codes = self.handle.get_into([k for _, k, _ in unread], ptrs, [s for _, _, s in unread])
             retry = [c for c in codes if c in TRANSIENT]
             if retry and attempt + 1 < _ATTEMPTS and time.monotonic() < deadline:
                 time.sleep(0.05 * 2**attempt)
                 continue
-            for (pid, key, size), ptr, code in zip(unread, ptrs, codes, strict=True):
-                if code == size:
-                    lo = ptr - base
-                    out[pid] = decode_index(key, pid, buf[lo : lo + size].tobytes())
-                elif code in (NOT_FOUND, NOT_READY):  # removed after listing, or its put is in flight
-                    continue
-                else:
-                    raise error_for(code, f"reading index object {key!r}")
-            return out
-        raise AssertionError("unreachable")
+            break
+        got = []
+        for (pid, key, size), ptr, code in zip(unread, ptrs, codes, strict=True):
+            if code == size:
+                got.append((pid, key, ptr - base, size))
+            elif code not in (NOT_FOUND, NOT_READY):  # removed after listing, or its put is in flight
+                raise error_for(code, f"reading index object {key!r}")
+        if not got:
+            return {}
+        listed = set(self._listing(deadline))
+        return {
+            pid: decode_index(key, pid, buf[lo : lo + size].tobytes()) for pid, key, lo, size in got if key in listed
+        }
+
+    @staticmethod
+    def _still_listed(resolved: Mapping[str, Resolved], lines: Sequence[str]) -> bool:
+        """Whether ``lines``, a listing asked for after the rows of ``resolved`` were read, still shows
+        the index of every put they were read from. Only then are the bytes read trusted: a clear may
+        free an object while it is read and a put may fill its space. Index objects go before the
+        data objects they name (:meth:`_remove`), so an index still listed after the read means its
+        data objects were there throughout."""
+        used = set()
+        for res in resolved.values():
+            if res.whole is not None:
+                used.add(res.whole.key)
+            else:
+                used.update(p.key for p, _ in res.locs)
+        return used.issubset(lines)
 
     def _listing(self, deadline: float) -> list[str]:
         return self._start_listing(deadline)()
@@ -411,7 +432,7 @@ class MooncakeStore(KVStore):
                 return
             written = [k for k, c in zip(keys, codes, strict=True) if c == 0]
             if written:
-                self.handle.remove(written)  # no phantom objects
+                self._remove(written)  # no phantom objects
             if all(c in TRANSIENT for c in failed) and attempt + 1 < _ATTEMPTS and time.monotonic() < deadline:
                 log.info("dataplane: Mooncake put failed with %s; retrying", code_name(failed[0]))
                 time.sleep(0.1 * 2**attempt)
@@ -451,12 +472,15 @@ class MooncakeStore(KVStore):
 
         A get of exactly the rows of the meta's put (the usual RL read) needs only the meta's read
         hint (:data:`READ_KEY`) to start: ``finish`` reads the put's objects into buffers taken here,
-        while ``plan`` (on the client's helper thread, where it has one) decodes the meta's index,
-        checks that it names those objects, and checks the listing. A put's objects never change and
-        one removed meanwhile fails the read, so reading before the check is safe. When the listing
-        shows the store changed since that put, ``finish`` resolves afresh and keeps what it read if
-        that put still holds the newest value of every row read (a later put of other fields, say),
-        or reads again (new columns). Any other get lists, resolves and plans here; ``finish`` reads.
+        while ``plan`` (on the client's helper thread, where it has one) decodes the meta's index and
+        checks that it names those objects. A put's objects never change and one removed meanwhile
+        fails the read, so reading before the check is safe. After the read, ``finish`` lists: what
+        was read stands when that put's index is the partition's only one. When the store changed
+        since that put, ``finish`` resolves afresh and keeps what it read if that put still holds
+        the newest value of every row read (a later put of other fields, say), or reads again (new
+        columns). Any other get lists, resolves and plans here; ``finish`` reads, then lists again.
+        Every read is trusted only once a listing asked for after it still shows its put
+        (:meth:`_still_listed`).
         """
         deadline = time.monotonic() + timeout_s
         self.handle.check()  # closed or forked: fail before any I/O
@@ -474,26 +498,16 @@ class MooncakeStore(KVStore):
             )
         index_key, ops, landing = early
         planned = _EarlyPlan(hints=hints)
-        caller = threading.get_ident()
 
         def plan() -> Mapping[str, Column] | None:
             try:
-                listing = self._start_listing(deadline)
                 if planned.hints is None:
                     planned.hints = self._hints(partition_id, meta, part)
                 p = self._whole_put(keys, fields, planned.hints)
-                cols = None
-                if p is not None and p.key == index_key and self._names(p, fields, ops):
-                    planned.hinted = p
-                    cols = self.reader.columns_over(p, fields, landing)
-                if threading.get_ident() == caller:  # in line: the answer is read after the transfer
-                    planned.listing = listing
-                else:  # beside the transfer: all of it here (the listing's socket is this thread's)
-                    planned.lines = listing()
-                    planned.only = (
-                        p is not None and cols is not None and self._only_put(partition_id, part, p, planned.lines)
-                    )
-                return cols  # None: the read hint does not describe the meta's put, finish reads afresh
+                if p is None or p.key != index_key or not self._names(p, fields, ops):
+                    return None  # the read hint does not describe the meta's put: finish reads afresh
+                planned.hinted = p
+                return self.reader.columns_over(p, fields, landing)
             except BaseException:
                 planned.failed = True
                 raise
@@ -506,22 +520,19 @@ class MooncakeStore(KVStore):
                 vanished = False
             except Vanished:  # a concurrent clear removed an object
                 vanished = True
+            lines = self._listing(deadline)  # asked for after the read: see _still_listed
             if not planned.done.wait(max(0.0, deadline - time.monotonic())):
                 raise DataPlaneTimeout("planning a Mooncake get ran out of time; raise timeout_s")
             if planned.failed:  # the client raises plan's error
                 return None
             hinted, hints = planned.hinted, planned.hints or {}
-            lines = planned.lines
-            if planned.listing is not None:
-                lines = planned.listing()
-                planned.only = hinted is not None and self._only_put(partition_id, part, hinted, lines)
-            assert lines is not None
             if hinted is None or vanished:
                 return self._get_checked(partition_id, part, keys, fields, hints, deadline, None if vanished else lines)
-            if planned.only:
+            if self._only_put(partition_id, part, hinted, lines):
                 return None
             # Other puts or tombstones are listed: what was read stands if that put still holds the
             # newest value of every row read (a later put of other fields, say); else read again.
+            # (A put no longer listed holds none: its bytes are not trusted either.)
             resolved = self._resolve(partition_id, part, keys, fields, hints, lines, deadline)
             if all(self._only_from(r, hinted) for r in resolved.values()):
                 return None
@@ -547,7 +558,10 @@ class MooncakeStore(KVStore):
                 fill(deadline)
             except Vanished:  # a concurrent clear removed an object: resolve and read again
                 return self._get_checked(partition_id, part, keys, fields, hints, deadline)
-            return None
+            lines = self._listing(deadline)
+            if self._still_listed(resolved, lines):
+                return None
+            return self._get_checked(partition_id, part, keys, fields, hints, deadline, lines)
 
         return lambda: cols, finish
 
@@ -646,20 +660,33 @@ class MooncakeStore(KVStore):
         resolved: dict[str, Resolved] | None = None,
     ) -> Mapping[str, Column]:
         """List (unless given the listing ``lines``), resolve (unless given what ``lines`` resolve to),
-        read; again if an object vanished under the read (a concurrent clear)."""
-        for attempt in range(_ATTEMPTS):
-            if lines is None or attempt:
+        read, and keep what was read if a listing asked for after the read still shows every put it
+        came from (:meth:`_still_listed`); else again, from that listing."""
+        for attempt in itertools.count():
+            if attempt:  # the puts read were removed under the read: rows rewritten and cleared meanwhile
+                if time.monotonic() >= deadline:
+                    raise DataPlaneTimeout(
+                        f"partition {partition_id!r}: the puts holding these rows were removed while they "
+                        f"were read, {attempt} times in a row until timeout_s; another process keeps "
+                        "rewriting and clearing them (or a store server died). Raise timeout_s, or read "
+                        "rows once their writers are done with them"
+                    )
+                if attempt >= 4:  # under heavy churn, let a burst of clears pass
+                    time.sleep(min(0.05, 0.001 * 2 ** (attempt - 4)))
+            if lines is None:
                 lines = self._listing(deadline)
-            if resolved is None or attempt:
+            if resolved is None:
                 resolved = self._resolve(partition_id, part, keys, fields, hints, lines, deadline)
             try:
-                return self.reader.read(resolved, deadline)
+                cols = self.reader.read(resolved, deadline)
             except Vanished:
+                lines = resolved = None
                 continue
-        raise BackendUnavailable(
-            f"partition {partition_id!r}: objects its index objects name keep vanishing; a store server "
-            "may have died, or another process is clearing this partition"
-        )
+            lines = self._listing(deadline)
+            if self._still_listed(resolved, lines):
+                return cols
+            resolved = None
+        raise AssertionError("unreachable")
 
     @staticmethod
     def _missing(
@@ -699,7 +726,8 @@ class MooncakeStore(KVStore):
         part = self._part(partition_id)
         if keys is None:
             self.handle.check()
-            with part.lock:
+            with part.lock:  # index objects first (see _remove)
+                self.handle.remove_regex(f"^{index_prefix(self.ns, partition_id)}")
                 self.handle.remove_regex(f"^{partition_prefix(self.ns, partition_id)}")
                 part.known, part.state = {}, PartitionState()
             self._forget(partition_id, part)
@@ -742,11 +770,15 @@ class MooncakeStore(KVStore):
                 del self._parts[partition_id]
 
     def _remove(self, keys: list[str]) -> None:
-        if not keys:
-            return
-        bad = [c for c in self.handle.remove(keys) if c not in (0, NOT_FOUND)]
+        """Force-remove ``keys``: index objects first, then (once the master has dropped them) the data
+        objects. A reader trusts what it read only while the put's index is still listed after the
+        read (:meth:`_still_listed`), so no data object may go while its index can still be listed."""
+        is_index = [k.rsplit("/", 2)[-2] == "i" for k in keys]  # {head}i/{put id}.{n}, not {head}d/{put id}/{f}
+        index = [k for k, i in zip(keys, is_index, strict=True) if i]
+        data = [k for k, i in zip(keys, is_index, strict=True) if not i]
+        bad = [c for group in (index, data) if group for c in self.handle.remove(group) if c not in (0, NOT_FOUND)]
         if bad:
-            log.warning("dataplane: removing %d superseded objects failed: %s", len(bad), code_name(bad[0]))
+            log.warning("dataplane: removing %d objects failed: %s", len(bad), code_name(bad[0]))
 
     def list(self, partition_id: str | None, *, timeout_s: float) -> Listing:
         deadline = time.monotonic() + timeout_s
