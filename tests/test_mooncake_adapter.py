@@ -589,6 +589,27 @@ class TestMooncakeAdapter:
         finally:
             owner.kv_clear(partition_id="early")
 
+    def test_in_line_a_get_by_meta_lists_while_it_decodes(
+        self, owner: StoreClient, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Without a helper thread: the read, then the listing request, then the index is decoded
+        (the master answers meanwhile), all on the caller's thread."""
+        rows = [torch.arange(n) for n in (2, 3)]
+        meta = owner.kv_batch_put(["a", "b"], {"ids": _jagged(rows)}, partition_id="inline")
+        order: list[tuple[str, str]] = []
+        monkeypatch.setenv("DATAPLANE_DECODE_THREAD", "0")
+        try:
+            with dataplane.connect(owner.store.join_url) as c:  # type: ignore[attr-defined]
+                store = c.store
+                for obj, name in ((store.handle, "get_into"), (store, "_hints"), (store.admin, "start_all_keys")):  # type: ignore[attr-defined]
+                    monkeypatch.setattr(obj, name, _recording(order, name, getattr(obj, name)))
+                out = c.kv_batch_get(meta, select_fields="ids")
+                assert [r.tolist() for r in out["ids"].unbind()] == [r.tolist() for r in rows]
+                main = threading.current_thread().name
+                assert order == [("get_into", main), ("start_all_keys", main), ("_hints", main)]
+        finally:
+            owner.kv_clear(partition_id="inline")
+
     def test_a_read_hint_naming_another_put_is_never_trusted(self, owner: StoreClient, other: StoreClient) -> None:
         old = owner.kv_batch_put(["a", "b"], {"x": torch.tensor([1, 2])}, partition_id="forged")
         new = owner.kv_batch_put(["a", "b"], {"x": torch.tensor([3, 4])}, partition_id="forged")

@@ -128,6 +128,9 @@ class _EarlyPlan:
     hints: dict[str, PutIndex] | None = None
     hinted: PutIndex | None = None  # the put read, once plan has checked the reads name its objects
     failed: bool = False
+    read: bool = False  # whether the read was issued (by plan when it runs in line, else by finish)
+    vanished: bool = False  # a concurrent clear removed an object before it was read
+    listing: Callable[[], list[str]] | None = None  # the listing asked for after the read
 
 
 class MooncakeStore(KVStore):
@@ -471,16 +474,17 @@ class MooncakeStore(KVStore):
         :meth:`KVStore.get_started`).
 
         A get of exactly the rows of the meta's put (the usual RL read) needs only the meta's read
-        hint (:data:`READ_KEY`) to start: ``finish`` reads the put's objects into buffers taken here,
-        while ``plan`` (on the client's helper thread, where it has one) decodes the meta's index and
-        checks that it names those objects. A put's objects never change and one removed meanwhile
-        fails the read, so reading before the check is safe. After the read, ``finish`` lists: what
-        was read stands when that put's index is the partition's only one. When the store changed
-        since that put, ``finish`` resolves afresh and keeps what it read if that put still holds
-        the newest value of every row read (a later put of other fields, say), or reads again (new
-        columns). Any other get lists, resolves and plans here; ``finish`` reads, then lists again.
-        Every read is trusted only once a listing asked for after it still shows its put
-        (:meth:`_still_listed`).
+        hint (:data:`READ_KEY`) to start: it reads the put's objects into buffers taken here and
+        then asks for the listing, while the meta's index is decoded and checked to name those
+        objects. Where the client has a helper thread, ``plan`` decodes there and ``finish`` reads;
+        in line, ``plan`` reads first, so the master answers while the columns are made and decoded.
+        A put's objects never change and one removed before the read fails it, so reading before the
+        check is safe. ``finish`` then takes the listing: what was read stands when that put's index
+        is the partition's only one. When the store changed since that put, ``finish`` resolves
+        afresh and keeps what it read if that put still holds the newest value of every row read (a
+        later put of other fields, say), or reads again (new columns). Any other get lists, resolves
+        and plans here; ``finish`` reads, then lists again. Every read is trusted only once a
+        listing asked for after it still shows its put (:meth:`_still_listed`).
         """
         deadline = time.monotonic() + timeout_s
         self.handle.check()  # closed or forked: fail before any I/O
@@ -498,9 +502,20 @@ class MooncakeStore(KVStore):
             )
         index_key, ops, landing = early
         planned = _EarlyPlan(hints=hints)
+        caller = threading.get_ident()
+
+        def read() -> None:
+            planned.read = True
+            try:
+                self.reader.run(ops, deadline)
+            except Vanished:
+                planned.vanished = True
+            planned.listing = self._start_listing(deadline)  # asked for after the read: see _still_listed
 
         def plan() -> Mapping[str, Column] | None:
             try:
+                if threading.get_ident() == caller:  # in line: the master answers while columns are made
+                    read()
                 if planned.hints is None:
                     planned.hints = self._hints(partition_id, meta, part)
                 p = self._whole_put(keys, fields, planned.hints)
@@ -515,19 +530,18 @@ class MooncakeStore(KVStore):
                 planned.done.set()
 
         def finish() -> Mapping[str, Column] | None:
-            try:
-                self.reader.run(ops, deadline)
-                vanished = False
-            except Vanished:  # a concurrent clear removed an object
-                vanished = True
-            lines = self._listing(deadline)  # asked for after the read: see _still_listed
+            if not planned.read:  # plan runs beside, on the client's helper thread
+                read()
             if not planned.done.wait(max(0.0, deadline - time.monotonic())):
                 raise DataPlaneTimeout("planning a Mooncake get ran out of time; raise timeout_s")
             if planned.failed:  # the client raises plan's error
                 return None
+            assert planned.listing is not None
+            lines = planned.listing()
             hinted, hints = planned.hinted, planned.hints or {}
-            if hinted is None or vanished:
-                return self._get_checked(partition_id, part, keys, fields, hints, deadline, None if vanished else lines)
+            if hinted is None or planned.vanished:
+                lines_ok = None if planned.vanished else lines
+                return self._get_checked(partition_id, part, keys, fields, hints, deadline, lines_ok)
             if self._only_put(partition_id, part, hinted, lines):
                 return None
             # Other puts or tombstones are listed: what was read stands if that put still holds the
