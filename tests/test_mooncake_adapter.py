@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -407,12 +408,39 @@ class TestMooncakeAdapter:
                 ("remove", sorted(f"{head}{index_key.rsplit('/', 1)[1].rsplit('.', 1)[0]}/{f}" for f in "xy")),
             ]
             calls.clear()
-            owner.kv_clear(partition_id=pid)
-            assert calls == [("remove_regex", "^dataplane/order/i/"), ("remove_regex", "^dataplane/order/")]
+            listed = sorted(k for k in _all_keys(owner) if k.startswith("dataplane/order/i/"))  # put 2, a tombstone
+            owner.kv_clear(partition_id=pid)  # every listed index, then the data of those puts
+            ids = "|".join(k.rsplit("/", 1)[1].rsplit(".", 1)[0] for k in listed)
+            assert [(n, sorted(a) if n == "remove" else a) for n, a in calls] == [
+                ("remove", listed),
+                ("remove_regex", f"^dataplane/order/d/({ids})/"),
+            ]
             assert not [k for k in _all_keys(owner) if k.startswith("dataplane/order/")]
         finally:
             monkeypatch.undo()
             owner.kv_clear(partition_id=pid)
+
+    def test_a_clear_leaves_a_put_it_did_not_list_whole(
+        self, owner: StoreClient, other: StoreClient, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A put that lands after a clear's listing is not part of that clear: it stays whole (a sweep
+        of the partition's data by prefix would have left its index naming nothing)."""
+        pid = "race"
+        owner.kv_batch_put(["a"], {"x": torch.zeros(1, 4)}, partition_id=pid)
+        store = owner.store
+        before = store._listing(time.monotonic() + 10)  # type: ignore[attr-defined]
+        other.kv_batch_put(["b"], {"x": torch.ones(1, 4)}, partition_id=pid)  # lands after the clear lists
+        monkeypatch.setattr(store, "_listing", lambda deadline: before)
+        owner.kv_clear(partition_id=pid)
+        monkeypatch.undo()
+        try:
+            with pytest.raises(KeyNotFound):
+                other.kv_batch_get(["a"], partition_id=pid, select_fields="x")
+            assert other.kv_batch_get(["b"], partition_id=pid, select_fields="x")["x"].eq(1).all()
+            assert list(owner.kv_list(pid)[pid]) == ["b"]
+        finally:
+            owner.kv_clear(partition_id=pid)
+        assert not [k for k in _all_keys(owner) if k.startswith("dataplane/race/")]
 
     @pytest.mark.parametrize("by_meta", [True, False], ids=["by_meta", "by_keys"])
     def test_a_read_whose_put_goes_under_it_is_not_trusted(

@@ -23,6 +23,7 @@ import ctypes
 import dataclasses
 import itertools
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -82,6 +83,7 @@ HINT_KEY = "mooncake_index"  # meta.extra_info[HINT_KEY] = {index key: index byt
 # start reading a put's objects before its index is even decoded (checked against the index meanwhile)
 READ_KEY = "mooncake_read"
 _ATTEMPTS = 4
+_IDS_PER_SWEEP = 64  # put ids per regex of a partition's clear (each sweep scans the master's keys once)
 _EARLY_MAX_BYTES = 1 << 30  # larger gets take their sizes from the index (their fixed costs matter less)
 _STAGE_BYTES = 64 << 10  # staging buffer of index bodies (one of 4096 rows with a few fields fits)
 
@@ -91,6 +93,11 @@ def _address(body: bytes) -> int:
     ptr = ctypes.cast(ctypes.c_char_p(body), ctypes.c_void_p).value
     assert ptr is not None
     return ptr
+
+
+def _literal(text: str) -> str:
+    """``text`` matched literally by Mooncake's regex (ECMAScript): only its metacharacters escaped."""
+    return re.sub(r"([.^$|?*+()\[\]{}\\])", r"\\\1", text)
 
 
 @dataclass
@@ -739,10 +746,9 @@ class MooncakeStore(KVStore):
         deadline = time.monotonic() + timeout_s
         part = self._part(partition_id)
         if keys is None:
-            self.handle.check()
-            with part.lock:  # index objects first (see _remove)
-                self.handle.remove_regex(f"^{index_prefix(self.ns, partition_id)}")
-                self.handle.remove_regex(f"^{partition_prefix(self.ns, partition_id)}")
+            lines = self._listing(deadline)
+            with part.lock:
+                self._remove_listed(partition_id, lines)
                 part.known, part.state = {}, PartitionState()
             self._forget(partition_id, part)
             return
@@ -776,6 +782,26 @@ class MooncakeStore(KVStore):
             part.state = part.state.refresh(known)
         if not known:
             self._forget(partition_id, part)
+
+    def _remove_listed(self, partition_id: str, lines: Sequence[str]) -> None:
+        """Remove every put of the partition that ``lines`` list: their index objects, then their data
+        objects (see :meth:`_remove`), matched by put id. A put listed only later (one racing this
+        clear) is left whole: sweeping the partition's data by prefix could take the data of a put
+        whose index lands between the two removals, leaving an index that names nothing."""
+        prefix = index_prefix(self.ns, partition_id)
+        index_keys, put_ids = [], []
+        for line in lines:
+            parsed = parse_index_key(line, prefix) if line.startswith(prefix) else None
+            if parsed is not None:
+                index_keys.append(line)
+                put_ids.append(parsed[0])
+        if not index_keys:
+            return
+        self._remove(index_keys)
+        head = _literal(f"{partition_prefix(self.ns, partition_id)}d/")
+        ids = [_literal(pid) for pid in sorted(put_ids)]
+        for at in range(0, len(ids), _IDS_PER_SWEEP):
+            self.handle.remove_regex(f"^{head}({'|'.join(ids[at : at + _IDS_PER_SWEEP])})/")
 
     def _forget(self, partition_id: str, part: _Part) -> None:
         """Drop the cache of a partition left empty (jobs often use a fresh partition per step)."""
