@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import re
 import subprocess
 import sys
 import textwrap
@@ -17,12 +18,14 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import dataplane
 from dataplane import store as store_module
 from dataplane.adapters import _mc_handle
 from dataplane.adapters._mc_index import PartitionState
-from dataplane.adapters._mc_store import _STAGE_BYTES, HINT_KEY
+from dataplane.adapters._mc_store import _STAGE_BYTES, HINT_KEY, _ids_before
 from dataplane.adapters.mooncake import MooncakeConfig, parse_bytes
 from dataplane.columns import first_write
 from dataplane.errors import (
@@ -73,6 +76,13 @@ def test_url_options() -> None:
             MooncakeConfig.from_url(bad)
     with pytest.raises(InvalidArgument):
         MooncakeConfig.from_url("mooncake://local?protocol=udp")
+
+
+@given(st.integers(1, 10**19 - 1), st.integers(0, 10**19 - 1))
+def test_the_orphan_sweep_matches_put_ids_begun_before_its_time(t_ns: int, put_ns: int) -> None:
+    """The clear's regex (Mooncake's ECMAScript accepts this subset as Python's re does)."""
+    for put in (put_ns, t_ns - 1, t_ns, min(t_ns + 1, 10**19 - 1)):
+        assert bool(re.match(f"^({_ids_before(t_ns)})-", f"{put:019d}-w1")) == (put < t_ns)
 
 
 # -- one deployment for the rest of the module ----------------------------------------------------
@@ -411,10 +421,11 @@ class TestMooncakeAdapter:
             listed = sorted(k for k in _all_keys(owner) if k.startswith("dataplane/order/i/"))  # put 2, a tombstone
             owner.kv_clear(partition_id=pid)  # every listed index, then the data of those puts
             ids = "|".join(k.rsplit("/", 1)[1].rsplit(".", 1)[0] for k in listed)
-            assert [(n, sorted(a) if n == "remove" else a) for n, a in calls] == [
+            assert [(n, sorted(a) if n == "remove" else a) for n, a in calls[:2]] == [
                 ("remove", listed),
                 ("remove_regex", f"^dataplane/order/d/({ids})/"),
             ]
+            assert len(calls) == 3 and calls[2][1].startswith("^dataplane/order/d/(")  # old orphans (below)
             assert not [k for k in _all_keys(owner) if k.startswith("dataplane/order/")]
         finally:
             monkeypatch.undo()
@@ -441,6 +452,21 @@ class TestMooncakeAdapter:
         finally:
             owner.kv_clear(partition_id=pid)
         assert not [k for k in _all_keys(owner) if k.startswith("dataplane/race/")]
+
+    def test_a_clear_sweeps_data_of_writers_that_died_mid_put(self, owner: StoreClient) -> None:
+        """Data objects no index names (their writer died before the index was written) go with the
+        partition's clear once their put began over 10 minutes ago; younger ones may still be
+        getting their index, and stay."""
+        pid, store = "orphans", owner.store
+        now = time.time_ns()
+        old, young = f"{now - 11 * 60 * 10**9:019d}-dead0001", f"{now:019d}-live0001"
+        keys = [f"dataplane/orphans/d/{put_id}/x" for put_id in (old, young)]
+        buf = owner.empty(8, torch.uint8)
+        store._write(keys, [buf.data_ptr()] * 2, [8, 8], pid, time.monotonic() + 10)  # type: ignore[attr-defined]
+        owner.kv_batch_put(["a"], {"x": torch.zeros(1)}, partition_id=pid)
+        owner.kv_clear(partition_id=pid)
+        assert [k for k in _all_keys(owner) if k.startswith("dataplane/orphans/")] == [keys[1]]
+        store.handle.remove([keys[1]])  # type: ignore[attr-defined]
 
     @pytest.mark.parametrize("by_meta", [True, False], ids=["by_meta", "by_keys"])
     def test_a_read_whose_put_goes_under_it_is_not_trusted(

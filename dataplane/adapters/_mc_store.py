@@ -84,6 +84,7 @@ HINT_KEY = "mooncake_index"  # meta.extra_info[HINT_KEY] = {index key: index byt
 READ_KEY = "mooncake_read"
 _ATTEMPTS = 4
 _IDS_PER_SWEEP = 64  # put ids per regex of a partition's clear (each sweep scans the master's keys once)
+_ORPHAN_AGE_NS = 600 * 10**9  # a clear sweeps data no index names once its put began this long ago
 _EARLY_MAX_BYTES = 1 << 30  # larger gets take their sizes from the index (their fixed costs matter less)
 _STAGE_BYTES = 64 << 10  # staging buffer of index bodies (one of 4096 rows with a few fields fits)
 
@@ -93,6 +94,17 @@ def _address(body: bytes) -> int:
     ptr = ctypes.cast(ctypes.c_char_p(body), ctypes.c_void_p).value
     assert ptr is not None
     return ptr
+
+
+def _ids_before(t_ns: int) -> str:
+    """A regex matching the time part of put ids (19 digits, :func:`new_put_id`) below ``t_ns``."""
+    t = f"{max(0, t_ns):019d}"
+    alts = []
+    for i, d in enumerate(t):
+        if d != "0":
+            below = "0" if d == "1" else f"[0-{int(d) - 1}]"
+            alts.append(t[:i] + below + (f"[0-9]{{{18 - i}}}" if i < 18 else ""))
+    return "|".join(alts) or "(?!)"
 
 
 def _literal(text: str) -> str:
@@ -785,9 +797,10 @@ class MooncakeStore(KVStore):
 
     def _remove_listed(self, partition_id: str, lines: Sequence[str]) -> None:
         """Remove every put of the partition that ``lines`` list: their index objects, then their data
-        objects (see :meth:`_remove`), matched by put id. A put listed only later (one racing this
-        clear) is left whole: sweeping the partition's data by prefix could take the data of a put
-        whose index lands between the two removals, leaving an index that names nothing."""
+        objects (see :meth:`_remove`), matched by put id; then data objects that no index names, of
+        puts begun over 10 minutes ago (their writer died mid-put). A put listed only later (one
+        racing this clear) is left whole: sweeping the partition's data by prefix could take the
+        data of a put whose index lands between the two removals, leaving an index naming nothing."""
         prefix = index_prefix(self.ns, partition_id)
         index_keys, put_ids = [], []
         for line in lines:
@@ -795,13 +808,14 @@ class MooncakeStore(KVStore):
             if parsed is not None:
                 index_keys.append(line)
                 put_ids.append(parsed[0])
-        if not index_keys:
-            return
         self._remove(index_keys)
         head = _literal(f"{partition_prefix(self.ns, partition_id)}d/")
         ids = [_literal(pid) for pid in sorted(put_ids)]
         for at in range(0, len(ids), _IDS_PER_SWEEP):
             self.handle.remove_regex(f"^{head}({'|'.join(ids[at : at + _IDS_PER_SWEEP])})/")
+        # data no index names: a writer died mid-put. Only puts begun long ago: a younger one may still
+        # be writing its index, and put ids begin with the writer's clock.
+        self.handle.remove_regex(f"^{head}({_ids_before(time.time_ns() - _ORPHAN_AGE_NS)})-")
 
     def _forget(self, partition_id: str, part: _Part) -> None:
         """Drop the cache of a partition left empty (jobs often use a fresh partition per step)."""
