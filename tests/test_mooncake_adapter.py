@@ -468,19 +468,21 @@ class TestMooncakeAdapter:
         assert [k for k in _all_keys(owner) if k.startswith("dataplane/orphans/")] == [keys[1]]
         store.handle.remove([keys[1]])  # type: ignore[attr-defined]
 
-    @pytest.mark.parametrize("by_meta", [True, False], ids=["by_meta", "by_keys"])
+    @pytest.mark.parametrize("how", ["by_meta", "by_meta_beside", "by_keys"])
     def test_a_read_whose_put_goes_under_it_is_not_trusted(
-        self, owner: StoreClient, other: StoreClient, monkeypatch: pytest.MonkeyPatch, by_meta: bool
+        self, owner: StoreClient, monkeypatch: pytest.MonkeyPatch, how: str
     ) -> None:
         """A clear may free an object while another client reads it, and a put may fill the space: the
         read then returns that put's bytes with no error. Here the partition is cleared and rewritten
         right after the read, and the read's buffers overwritten as the new put's bytes would: the get
-        must not return them, but read the rows again."""
+        must not return them, but read the rows again (by meta with the helper thread off and on)."""
         pid = "under"
         meta = owner.kv_batch_put(["a", "b"], {"x": torch.zeros(2, 8)}, partition_id=pid)
-        if not by_meta:
-            other.kv_batch_get(["a", "b"], partition_id=pid, select_fields="x")  # its index is now cached
-        handle = other.store.handle  # type: ignore[attr-defined]
+        monkeypatch.setenv("DATAPLANE_DECODE_THREAD", "1" if how == "by_meta_beside" else "0")
+        reader = dataplane.connect(owner.store.join_url)  # type: ignore[attr-defined]
+        if how == "by_keys":
+            reader.kv_batch_get(["a", "b"], partition_id=pid, select_fields="x")  # its index is now cached
+        handle = reader.store.handle  # type: ignore[attr-defined]
         real = handle.get_into
         fired: list[list[str]] = []
 
@@ -496,12 +498,14 @@ class TestMooncakeAdapter:
 
         monkeypatch.setattr(handle, "get_into", get_into)
         try:
-            got = other.kv_batch_get(meta, select_fields="x") if by_meta else None
-            if got is None:
-                got = other.kv_batch_get(["a", "b"], partition_id=pid, select_fields="x")
+            if how == "by_keys":
+                got = reader.kv_batch_get(["a", "b"], partition_id=pid, select_fields="x")
+            else:
+                got = reader.kv_batch_get(meta, select_fields="x")
             assert fired and got["x"].eq(7).all()
         finally:
             monkeypatch.undo()
+            reader.close()
             owner.kv_clear(partition_id=pid)
 
     def test_an_index_read_whose_put_goes_under_it_is_not_decoded(
