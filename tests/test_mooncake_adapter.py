@@ -133,6 +133,33 @@ def _recording_args(log: list[tuple[str, Any]], name: str, fn: Callable[[Any], A
     return wrapper
 
 
+def _rewritten_after_read(
+    owner: StoreClient, pid: str, real: Callable[..., list[int]], kind: str, fired: list[list[str]]
+) -> Callable[..., list[int]]:
+    """``get_into`` that, right after its first read of objects whose keys contain ``kind`` (``/d/``
+    data, ``/i/`` index), clears partition ``pid``, puts rows a and b of 7.0 there, and overwrites
+    the read's buffers: the bytes a put filling the freed space would have left (noted in ``fired``)."""
+
+    def get_into(keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        codes = real(keys, ptrs, sizes)
+        if not fired and any(kind in k for k in keys):
+            fired.append(keys)
+            owner.kv_clear(partition_id=pid)
+            owner.kv_batch_put(["a", "b"], {"x": torch.full((2, 8), 7.0)}, partition_id=pid)
+            for ptr, n in zip(ptrs, sizes, strict=True):
+                ctypes.memset(ptr, 0xFF, n)
+        return codes
+
+    return get_into
+
+
+def _record_get_calls(monkeypatch: pytest.MonkeyPatch, client: Any, log: list[tuple[str, str]]) -> None:
+    """Note in ``log`` each read, index decode and listing of ``client``'s gets, with its thread."""
+    store = client.store
+    for obj, name in ((store.handle, "get_into"), (store, "_hints"), (store.admin, "start_all_keys")):
+        monkeypatch.setattr(obj, name, _recording(log, name, getattr(obj, name)))
+
+
 class _Spy:
     """Counts calls to methods of an object (listing, Mooncake batch calls)."""
 
@@ -483,20 +510,8 @@ class TestMooncakeAdapter:
         if how == "by_keys":
             reader.kv_batch_get(["a", "b"], partition_id=pid, select_fields="x")  # its index is now cached
         handle = reader.store.handle  # type: ignore[attr-defined]
-        real = handle.get_into
         fired: list[list[str]] = []
-
-        def get_into(keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
-            codes = real(keys, ptrs, sizes)
-            if not fired and any("/d/" in k for k in keys):
-                fired.append(keys)
-                owner.kv_clear(partition_id=pid)
-                owner.kv_batch_put(["a", "b"], {"x": torch.full((2, 8), 7.0)}, partition_id=pid)
-                for ptr, n in zip(ptrs, sizes, strict=True):
-                    ctypes.memset(ptr, 0xFF, n)
-            return codes
-
-        monkeypatch.setattr(handle, "get_into", get_into)
+        monkeypatch.setattr(handle, "get_into", _rewritten_after_read(owner, pid, handle.get_into, "/d/", fired))
         try:
             if how == "by_keys":
                 got = reader.kv_batch_get(["a", "b"], partition_id=pid, select_fields="x")
@@ -517,20 +532,8 @@ class TestMooncakeAdapter:
         pid = "under_index"
         owner.kv_batch_put(["a", "b"], {"x": torch.zeros(2, 8)}, partition_id=pid)
         handle = other.store.handle  # type: ignore[attr-defined]
-        real = handle.get_into
         fired: list[list[str]] = []
-
-        def get_into(keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
-            codes = real(keys, ptrs, sizes)
-            if not fired and all("/i/" in k for k in keys):
-                fired.append(keys)
-                owner.kv_clear(partition_id=pid)
-                owner.kv_batch_put(["a", "b"], {"x": torch.full((2, 8), 7.0)}, partition_id=pid)
-                for ptr, n in zip(ptrs, sizes, strict=True):
-                    ctypes.memset(ptr, 0xFF, n)
-            return codes
-
-        monkeypatch.setattr(handle, "get_into", get_into)
+        monkeypatch.setattr(handle, "get_into", _rewritten_after_read(owner, pid, handle.get_into, "/i/", fired))
         try:
             with pytest.raises(KeyNotFound):
                 other.kv_batch_get(["a", "b"], partition_id=pid, select_fields="x")
@@ -616,10 +619,7 @@ class TestMooncakeAdapter:
         monkeypatch.setenv("DATAPLANE_DECODE_THREAD", "1")
         try:
             with dataplane.connect(owner.store.join_url) as c:  # type: ignore[attr-defined]
-                store = c.store
-                for obj, name in ((store.handle, "get_into"), (store, "_hints"), (store.admin, "start_all_keys")):  # type: ignore[attr-defined]
-                    fn = getattr(obj, name)
-                    monkeypatch.setattr(obj, name, _recording(order, name, fn))
+                _record_get_calls(monkeypatch, c, order)
                 for m in (meta, KVBatchMeta.from_msgpack(meta.to_msgpack())):  # the hint survives msgpack
                     order.clear()
                     out = c.kv_batch_get(m, select_fields=["ids", "r"])
@@ -658,9 +658,7 @@ class TestMooncakeAdapter:
         monkeypatch.setenv("DATAPLANE_DECODE_THREAD", "0")
         try:
             with dataplane.connect(owner.store.join_url) as c:  # type: ignore[attr-defined]
-                store = c.store
-                for obj, name in ((store.handle, "get_into"), (store, "_hints"), (store.admin, "start_all_keys")):  # type: ignore[attr-defined]
-                    monkeypatch.setattr(obj, name, _recording(order, name, getattr(obj, name)))
+                _record_get_calls(monkeypatch, c, order)
                 out = c.kv_batch_get(meta, select_fields="ids")
                 assert [r.tolist() for r in out["ids"].unbind()] == [r.tolist() for r in rows]
                 main = threading.current_thread().name
