@@ -399,6 +399,26 @@ class TestMooncakeAdapter:
         finally:
             owner.kv_clear(partition_id="rng")
 
+    def test_ranged_reads_beside_small_fields(
+        self, owner: StoreClient, other: StoreClient, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A data-parallel rank's scattered rows: ranged reads of the large field and whole reads of
+        the small ones (their buffers are under the pool's minimum, so not registered) in one get.
+        Mooncake's ranged call refused those with -600 until whole reads went by ``get_into``."""
+        rows = [torch.randint(0, 1000, (int(n),)) for n in torch.randint(3000, 5000, (64,))]
+        keys = [f"s{i}" for i in range(64)]
+        fields = {"ids": _jagged(rows), "reward": torch.randn(64), "mask": torch.rand(64, 3) > 0.5}
+        owner.kv_batch_put(keys, fields, partition_id="rng_small")
+        spy = _Spy(monkeypatch, other.store.handle, ["get_ranges", "get_into"])  # type: ignore[attr-defined]
+        try:
+            pick = list(range(5, 64, 16))  # every 16th row: a few pieces of the large object
+            out = other.kv_batch_get([keys[i] for i in pick], partition_id="rng_small", select_fields=list(fields))
+            assert spy.calls["get_ranges"] == (other.store.handle.shm is None)  # type: ignore[attr-defined]
+            assert all(bit_exact(a, rows[i]) for a, i in zip(out["ids"].unbind(), pick, strict=True))
+            assert bit_exact(out["reward"], fields["reward"][pick]) and bit_exact(out["mask"], fields["mask"][pick])
+        finally:
+            owner.kv_clear(partition_id="rng_small")
+
     def test_batches_are_chunked(self, owner: StoreClient, other: StoreClient, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(_mc_handle, "MAX_KEYS_PER_CALL", 2)
         fields = {f"f{j}": torch.full((3, 2), j) for j in range(5)}

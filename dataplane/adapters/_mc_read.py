@@ -219,14 +219,20 @@ class Reader:
             raise error_for(bad[0], f"reading {len(ops)} data objects")
 
     def _issue(self, ops: list[ReadOp]) -> list[int]:
-        """Negative codes of the failed reads (or short-read sentinels)."""
+        """A code per read (per range of a ranged one): 0, negative for a failure, -800 for a short read."""
         codes: list[int] = []
         if all(op.ranges is None for op in ops):
             got = self.handle.get_into([o.key for o in ops], [o.ptr for o in ops], [o.nbytes for o in ops])
             for op, c in zip(ops, got, strict=True):
                 codes.append(c if c < 0 else (0 if c == op.nbytes else -800))
             return codes
-        reads = [(op.ptr, op.key, op.ranges if op.ranges is not None else [(0, 0, op.nbytes)]) for op in ops]
+        # get_into_ranges writes only into registered memory (else -600 INVALID_PARAMS): a whole read
+        # into other memory (a small field's buffer, under the pool's minimum) goes by get_into
+        direct = [op.ranges is None and not self.handle.covers(op.ptr, op.nbytes) for op in ops]
+        if any(direct):
+            codes = self._issue([op for op, d in zip(ops, direct, strict=True) if d])
+        ranged = [op for op, d in zip(ops, direct, strict=True) if not d]
+        reads = [(op.ptr, op.key, op.ranges if op.ranges is not None else [(0, 0, op.nbytes)]) for op in ranged]
         for (_, _, rngs), res in zip(reads, self.handle.get_ranges(reads), strict=True):
             for (_, _, m), c in zip(rngs, res, strict=True):
                 codes.append(c if c < 0 else (0 if c == m else -800))
