@@ -158,6 +158,29 @@ def test_mooncake_scale_benchmark_fills_the_master_and_reads_back(tmp_path: Path
     assert "| 300 | 300 |" in out.with_suffix(".md").read_text()
 
 
+@pytest.mark.slow
+@pytest.mark.mooncake
+@pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake is not installed")
+def test_mooncake_layout_benchmark_times_every_layout_and_checks_its_reads(tmp_path: Path) -> None:
+    """The layout benchmark stores the objects each layout names and reads them back (bit-exact checks
+    raise inside it), over both transports."""
+    out = tmp_path / "layout"
+    subprocess.run(
+        [sys.executable, "-m", "benchmarks.mooncake_layout", "--sizes", "1", "--repeat", "2", "--warmup", "0",
+         "--segment-mib", "256", "--out", str(out)],
+        cwd=ROOT, check=True, timeout=600, capture_output=True,
+    )  # fmt: skip
+    report = json.loads(out.with_suffix(".json").read_text())
+    rows = report["config"]["rows"]["1MB"]
+    assert report["config"]["objects"]["1MB"] == {"row_field": rows * 8, "field": 8, "field_index": 9, "put": 1}
+    for transport in ("shm", "tcp"):
+        cell = report["results"][f"{transport}/1MB"]
+        assert cell["field"]["put_vs_field"] == 1.0 and 0 < cell["shard_bytes"] < cell["bytes"]
+        for layout in ("row_field", "field", "field_index", "put"):
+            assert min(cell[layout][op] for op in ("put", "get_all", "get_shard")) > 0
+    assert "| tcp | 1MB | row_field |" in out.with_suffix(".md").read_text()
+
+
 def test_median_confidence_interval_is_the_binomial_order_statistics() -> None:
     from benchmarks.mooncake_xproc import median_ci95
 

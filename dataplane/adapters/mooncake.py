@@ -23,10 +23,14 @@ Clients lend no memory by default (``client_segment_bytes=0``): in Mooncake an o
 process whose segment holds it, so data lives in dedicated store servers and outlives the writers.
 
 Layout (see :mod:`dataplane.adapters._mc_index`): per put call, one data object per field holding
-every row back to back, plus one small immutable index object, written in one batch call. Measured
-on loopback TCP, every contiguous piece moved costs ~0.1 ms whatever its size, so one object per
-(row, field) ran 3-10x slower than this (``scratch/mooncake_layout/NOTES.md``); one object per put
-holding all fields (multi-buffer puts and gets) measured no faster than one per field.
+every row back to back, plus one small immutable index object, written in one batch call. Chosen
+with ``python -m benchmarks.mooncake_layout`` (raw Mooncake, ``benchmarks/results/mooncake_layout.md``):
+every object costs ~30-40 us of its own, so one object per (row, field) made puts and whole-batch
+gets 2-7x slower over shared memory and 2-20x over TCP; it wins only where a data-parallel rank
+reads every 4th row of a 128 MB batch (2.2x faster over shared memory, 1.3x over TCP), since
+per-field objects are then read whole and gathered. One object per put holding every field is
+~1.2x faster at 1 MB and within a few percent at 16 and 128 MB, but would make every get of some
+of the fields a ranged read (~40 us per range). The index object costs nothing measurable.
 
 Round trips. A put: one listing of the master's keys (``/get_all_keys`` on its admin port, ~0.1 ms:
 the schema check against every writer) plus one batch write. A get: one listing, one batch read
