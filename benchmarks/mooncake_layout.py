@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.mooncake_xproc import machine_line
+
 MB = 1 << 20
 RESULTS = Path(__file__).resolve().parent / "results"
 LAYOUTS = ("row_field", "field", "field_index", "put")
@@ -215,6 +217,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.put_get import machine_info
     from benchmarks.workload import make_batch
 
+    load_before = os.getloadavg()
     results: dict[str, Any] = {}
     rows_of: dict[str, int] = {}
     objects_of: dict[str, dict[str, int]] = {}
@@ -273,7 +276,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "warmup": args.warmup,
             "index_bytes": INDEX_BYTES,
         },
-        "machine": {**machine_info(), "loadavg_after": os.getloadavg()},
+        "machine": {**machine_info(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
         "results": results,
     }
 
@@ -283,8 +286,7 @@ def to_markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Mooncake object layouts for an RL batch (raw Mooncake, no dataplane code timed)",
         "",
-        f"Machine: {m.get('cpu_count')} CPUs, {m.get('mem_total_gib')} GiB, {m.get('platform')}, torch {m.get('torch')}, "
-        f"mooncake {m.get('mooncake-transfer-engine-non-cuda', '?')}.",
+        machine_line(m),
         f"Batch: `make_batch(size, {c['fields']} fields)` (rows: "
         + ", ".join(f"{k} {v}" for k, v in c["rows"].items())
         + f"); medians of {c['repeat']} after {c['warmup']} warm-up, layouts in rotating order in every "

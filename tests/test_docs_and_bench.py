@@ -97,11 +97,7 @@ def test_mooncake_xproc_contenders_are_bit_exact(tmp_path: Path) -> None:
     the nested tensors it put, values and offsets, rebuilt from what it read), and the ratios the
     closing notes quote are computed."""
     out = tmp_path / "xproc"
-    subprocess.run(
-        [sys.executable, "-m", "benchmarks.mooncake_xproc", "--sizes", "1", "--fields", "5", "--repeat", "2",
-         "--warmup", "0", "--no-tq", "--segment-gib", "1", "--out", str(out)],
-        cwd=ROOT, check=True, timeout=600, capture_output=True,
-    )  # fmt: skip
+    _run_results_bench("mooncake_xproc", out, "--sizes 1 --fields 5 --repeat 2 --warmup 0 --no-tq --segment-gib 1")
     report = json.loads(out.with_suffix(".json").read_text())
     cells = report["results"]["1MB"]
     assert cells["bit_exact"] == {"ours": True, "ours_zc": True, "raw": True, "raw_njt": True}, cells["bit_exact"]
@@ -127,11 +123,9 @@ def test_concurrent_benchmark_reads_every_writer_back_bit_exact(tmp_path: Path) 
     """Several writers and readers at once: each reader reads its writer's batches bit-exact, ours and
     raw, and the paired ratios are computed."""
     out = tmp_path / "conc"
-    subprocess.run(
-        [sys.executable, "-m", "benchmarks.mooncake_concurrent", "--sizes", "1", "--fields", "5", "--writers", "2",
-         "--ops", "2", "--repeat", "2", "--warmup", "0", "--segment-gib", "1", "--out", str(out)],
-        cwd=ROOT, check=True, timeout=600, capture_output=True,
-    )  # fmt: skip
+    _run_results_bench(
+        "mooncake_concurrent", out, "--sizes 1 --fields 5 --writers 2 --ops 2 --repeat 2 --warmup 0 --segment-gib 1"
+    )
     cell = json.loads(out.with_suffix(".json").read_text())["results"]["1MB"]
     assert cell["bit_exact"] == {"ours": True, "raw": True}, cell["bit_exact"]
     for op in ("put", "get"):
@@ -146,11 +140,7 @@ def test_concurrent_benchmark_reads_every_writer_back_bit_exact(tmp_path: Path) 
 def test_mooncake_scale_benchmark_fills_the_master_and_reads_back(tmp_path: Path) -> None:
     """The scaling benchmark puts the foreign objects it reports (its gets check bit-exactness)."""
     out = tmp_path / "scale"
-    subprocess.run(
-        [sys.executable, "-m", "benchmarks.mooncake_scale", "--levels", "0,300", "--repeat", "2", "--warmup", "0",
-         "--segment-mib", "256", "--out", str(out)],
-        cwd=ROOT, check=True, timeout=600, capture_output=True,
-    )  # fmt: skip
+    _run_results_bench("mooncake_scale", out, "--levels 0,300 --repeat 2 --warmup 0 --segment-mib 256")
     results = json.loads(out.with_suffix(".json").read_text())["results"]
     assert [results[level]["listed_keys"] for level in ("0", "300")] == [0, 300]
     for r in results.values():
@@ -165,11 +155,7 @@ def test_mooncake_layout_benchmark_times_every_layout_and_checks_its_reads(tmp_p
     """The layout benchmark stores the objects each layout names and reads them back (bit-exact checks
     raise inside it), over both transports."""
     out = tmp_path / "layout"
-    subprocess.run(
-        [sys.executable, "-m", "benchmarks.mooncake_layout", "--sizes", "1", "--repeat", "2", "--warmup", "0",
-         "--segment-mib", "256", "--out", str(out)],
-        cwd=ROOT, check=True, timeout=600, capture_output=True,
-    )  # fmt: skip
+    _run_results_bench("mooncake_layout", out, "--sizes 1 --repeat 2 --warmup 0 --segment-mib 256")
     report = json.loads(out.with_suffix(".json").read_text())
     rows = report["config"]["rows"]["1MB"]
     assert report["config"]["objects"]["1MB"] == {"row_field": rows * 8, "field": 8, "field_index": 9, "put": 1}
@@ -179,6 +165,13 @@ def test_mooncake_layout_benchmark_times_every_layout_and_checks_its_reads(tmp_p
         for layout in ("row_field", "field", "field_index", "put"):
             assert min(cell[layout][op] for op in ("put", "get_all", "get_shard")) > 0
     assert "| tcp | 1MB | row_field |" in out.with_suffix(".md").read_text()
+
+
+def _run_results_bench(module: str, out: Path, args: str) -> None:
+    """``python -m benchmarks.<module> ARGS --out OUT`` (a results benchmark: writes OUT.json and OUT.md)."""
+    cmd = [sys.executable, "-m", f"benchmarks.{module}", *args.split(), "--out", str(out)]
+    done = subprocess.run(cmd, cwd=ROOT, timeout=600, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
 
 
 def test_median_confidence_interval_is_the_binomial_order_statistics() -> None:

@@ -26,11 +26,12 @@ Layout (see :mod:`dataplane.adapters._mc_index`): per put call, one data object 
 every row back to back, plus one small immutable index object, written in one batch call. Chosen
 with ``python -m benchmarks.mooncake_layout`` (raw Mooncake, ``benchmarks/results/mooncake_layout.md``):
 every object costs ~30-40 us of its own, so one object per (row, field) made puts and whole-batch
-gets 1.6-9x slower over shared memory and 2-22x over TCP (2-core VM and 16-core host); it wins only
-where a data-parallel rank reads every 4th row of a large batch (128 MB: 2.2-2.7x faster over shared
-memory, 1.3-1.6x over TCP; 16 MB: 1.3x on 16 cores), since per-field objects are then read whole and
-gathered. One object per put holding every field is 1.1-1.5x faster at 1 MB and within -6% and +11%
-at 16 and 128 MB, but would make every get of some of the fields a ranged read (~40 us per range).
+gets 1.6-9x slower over shared memory and 1.8-20x over TCP (2-core VM and 16-core host); it wins
+only where a data-parallel rank reads every 4th row of a large batch (over shared memory 1.2-1.3x
+faster at 16 MB and 2.3-2.7x at 128 MB; over TCP 1.1-1.6x at 128 MB only), since per-field objects
+are then read whole and gathered. One object per put holding every field is 1.1-1.5x faster at 1 MB
+and within -7% and +13% at 16 and 128 MB, but would make every get of some of the fields a ranged
+read (~40 us per range).
 The index object costs nothing measurable.
 
 Round trips. A put: one listing of the master's keys (``/get_all_keys`` on its admin port, ~0.1 ms:
