@@ -13,10 +13,12 @@ fields and a ``[B]`` reward), in each of these layouts:
 
 Two reads: ``get all`` reads every row of every field (a trainer reading the step's batch), ``get
 shard`` every ``--shard``-th row of every field (one data-parallel rank's rows after token balancing
-are scattered like this): whole objects for ``row_field``, one byte range per row
-(``get_into_ranges``) for the others. Writes and reads go through one store server, over shared
-memory (a real client) and over loopback TCP (``?shm=false``); every layout is timed in every
-repetition, in rotating order, and every read is checked bit-exact against the batch on the first.
+are scattered like this). ``row_field`` reads the shard's objects whole; the other layouts are timed
+both ways a reader can take the rows out of a larger object: one byte range per row and field
+(``get_into_ranges``), and the whole objects into a staging area followed by a local copy of the
+rows (timed). Writes and reads go through one store server, over shared memory (a real client) and
+over loopback TCP (``?shm=false``); every layout is timed in every repetition, in rotating order,
+and every read is checked bit-exact against the batch on the first.
 
     python -m benchmarks.mooncake_layout                      # 1 / 16 / 128 MB, both transports
     python -m benchmarks.mooncake_layout --sizes 1 --repeat 3 --transports shm --out /tmp/l

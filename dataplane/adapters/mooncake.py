@@ -31,8 +31,7 @@ only where a data-parallel rank reads every 4th row of a large batch (over share
 faster at 16 MB and 2.3-2.7x at 128 MB; over TCP 1.1-1.6x at 128 MB only), since per-field objects
 are then read whole and gathered. One object per put holding every field is 1.1-1.5x faster at 1 MB
 and within -7% and +13% at 16 and 128 MB, but would make every get of some of the fields a ranged
-read (~40 us per range).
-The index object costs nothing measurable.
+read (~40 us per range). The index object costs nothing measurable.
 
 Round trips. A put: one listing of the master's keys (``/get_all_keys`` on its admin port, ~0.1 ms:
 the schema check against every writer) plus one batch write. A get: one listing, one batch read
