@@ -127,12 +127,16 @@ def test_concurrent_writer_processes_share_a_partition(owner: StoreClient) -> No
 _CHURN_KEYS = [f"k{i}" for i in range(32)]
 
 
-def _churn_row(version: int, i: int) -> torch.Tensor:
+def _churn_len(version: int, i: int, scale: int) -> int:
+    return ((version * 7 + i) % 13 + 1) * scale
+
+
+def _churn_row(version: int, i: int, scale: int) -> torch.Tensor:
     """Row ``i`` as put number ``version`` writes it: its length and every value say which put."""
-    return torch.full(((version * 7 + i) % 13 + 1,), version * 1000 + i, dtype=torch.int64)
+    return torch.full((_churn_len(version, i, scale),), version * 1000 + i, dtype=torch.int64)
 
 
-def _churn_writer(url: str, first: int, seconds: float, conn: Connection) -> None:
+def _churn_writer(url: str, first: int, seconds: float, scale: int, conn: Connection) -> None:
     """Rewrite random subsets of the keys (both fields, or ``x`` alone) until ``seconds`` pass."""
     import random
 
@@ -144,7 +148,7 @@ def _churn_writer(url: str, first: int, seconds: float, conn: Connection) -> Non
             keys = rng.sample(_CHURN_KEYS, rng.randint(1, len(_CHURN_KEYS)))
             ids = [int(k[1:]) for k in keys]
             fields: dict[str, Any] = {
-                "x": torch.nested.as_nested_tensor([_churn_row(version, i) for i in ids], layout=torch.jagged)
+                "x": torch.nested.as_nested_tensor([_churn_row(version, i, scale) for i in ids], layout=torch.jagged)
             }
             if rng.random() < 0.7:
                 fields["y"] = torch.tensor([version * 1000 + i for i in ids])
@@ -170,7 +174,7 @@ def _churn_clearer(url: str, seconds: float, conn: Connection) -> None:
     conn.send(n)
 
 
-def _churn_reader(url: str, seconds: float, conn: Connection) -> None:
+def _churn_reader(url: str, seconds: float, scale: int, conn: Connection) -> None:
     """Read random keys; every row read must be one some put wrote, whole (never torn, never
     another object's bytes). Sends (rows checked, gets that found keys missing, first bad row)."""
     import random
@@ -189,24 +193,26 @@ def _churn_reader(url: str, seconds: float, conn: Connection) -> None:
             for key, x, *y in zip(keys, out["x"].unbind(), *([out["y"]] if "y" in select else []), strict=True):
                 i, value = int(key[1:]), int(x[0])
                 version = value // 1000
-                whole = value % 1000 == i and bool((x == value).all()) and len(x) == (version * 7 + i) % 13 + 1
+                whole = value % 1000 == i and bool((x == value).all()) and len(x) == _churn_len(version, i, scale)
                 if not whole or (y and int(y[0]) % 1000 != i):
                     bad = (key, x.tolist(), [int(v) for v in y])
                 rows += 1
     conn.send((rows, missing, bad))
 
 
-def test_reads_are_never_torn_while_rows_are_rewritten_and_cleared(owner: StoreClient) -> None:
+@pytest.mark.parametrize("scale", [1, 400], ids=["short-rows", "long-rows"])
+def test_reads_are_never_torn_while_rows_are_rewritten_and_cleared(owner: StoreClient, scale: int) -> None:
     """Two writer processes rewrite the same keys, a third clears them, a fourth reads. A clear frees
     objects that a read may be in the middle of and a put fills the space at once: every row read
-    must still be one that a put wrote, whole."""
+    must still be one that a put wrote, whole. Long rows (up to 5,200 tokens) make the reads take the
+    paths of large buffers: registered pool memory, and ranged reads over TCP."""
     url = owner.store.join_url  # type: ignore[attr-defined]
     seconds = 5.0
     jobs: list[tuple[Callable[..., None], tuple[Any, ...]]] = [
-        (_churn_writer, (url, 0, seconds)),
-        (_churn_writer, (url, 1, seconds)),
+        (_churn_writer, (url, 0, seconds, scale)),
+        (_churn_writer, (url, 1, seconds, scale)),
     ]
-    jobs += [(_churn_clearer, (url, seconds)), (_churn_reader, (url, seconds))]
+    jobs += [(_churn_clearer, (url, seconds)), (_churn_reader, (url, seconds, scale))]
     conns, procs = [], []
     for target, args in jobs:
         parent, child = CTX.Pipe()
