@@ -4,8 +4,7 @@ Standard library only. This module imports nothing from ``dataplane`` and never 
 at import time (the binary is located with ``importlib.util.find_spec``, which does not execute the
 package).
 
-Facts this module is built on (measured with mooncake-transfer-engine-non-cuda 0.3.13.post1, see
-``shared/research/mooncake.md``):
+Facts this module is built on (measured with mooncake-transfer-engine-non-cuda 0.3.13.post1):
 
 * The master binds an RPC port and an admin/metrics HTTP port (``/health``); with
   ``--enable_http_metadata_server=true`` it also binds a third (HTTP metadata) port. We reserve all

@@ -5,7 +5,7 @@ One TransferQueue exists per Ray cluster: a named actor ``TransferQueueControlle
 runs (``owner=False``; this is how a Ray actor or task joins with no arguments) or *starts* one and
 owns it (``owner=True``). Only the owner tears shared things down.
 
-Facts this module is built on (``shared/research/tq.md`` and ``scratch/tq/NOTES.md``):
+Facts this module is built on (measured on ``transferqueue`` 0.1.11 with Ray 2.x):
 
 * ``tq.init`` hangs forever, silently, when Ray lacks ``1 + num_storage_units`` free CPUs: the
   controller and each SimpleStorage unit ask for ``num_cpus=1``. We check first and bound it.
@@ -28,7 +28,7 @@ Facts this module is built on (``shared/research/tq.md`` and ``scratch/tq/NOTES.
   One process should hold one handle: ``dataplane.adapters.transfer_queue`` shares it between the
   process's clients, refcounted.
 
-Bounded calls, measured (``scratch/tq/05_bounds.py``):
+Bounded calls, measured against a stopped or killed controller and master:
 
 * ``dep.call(fn, ..., timeout=t)`` / ``await dep.acall(...)`` run ``tq.async_<fn>`` on the TQ client's
   own loop thread and wait at most ``t``; on timeout the task is cancelled (TQ discards the DEALER

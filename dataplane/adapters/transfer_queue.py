@@ -7,7 +7,7 @@ down (its actors, its ``mooncake_master``, and Ray if it started Ray); anyone el
 closes only that client. TQ's client is process-global, so all clients of one process share one
 attachment, refcounted.
 
-What the adapter adds on top of TQ (``shared/research/tq.md``, ``scratch/tq/NOTES.md``): a
+What the adapter adds on top of TQ (each gap measured on ``transferqueue`` 0.1.11): a
 per-(partition, field) schema kept in the partition itself and checked before anything is written;
 exact shapes, dtypes and kinds on the way back; object columns as msgpack bytes (TQ never pickles);
 no phantom keys after a failed put; gets that raise ``KeyNotFound`` naming what is missing where TQ
