@@ -30,9 +30,8 @@ _ATTEMPTS = 8
 # contiguous piece costs a fixed time whatever its size, bytes then move at the network's rate, and
 # a local gather copy at memory speed. Per piece and per byte as benchmarks.mooncake_layout measures
 # them on loopback TCP (2-core VM: ~40 us per range, ~2 GB/s). Against the older guesses (150 us,
-# 1.2 GB/s), gets of one data-parallel rank's scattered rows over TCP came faster wherever the two
-# chose differently: 1.13x / 1.18x with 8 / 16 ranks of a 16 MB batch, 1.04x / 1.02x / 1.20x with
-# 2 / 4 / 8 ranks of a 128 MB one (paired medians; elsewhere they choose alike).
+# 1.2 GB/s), gets of one data-parallel rank's scattered rows over TCP were 1.03-1.18x faster wherever
+# the two chose differently, and within noise elsewhere (benchmarks/results/mooncake_cost_model_ab.md).
 _PIECE_S = 40e-6
 _NET_BPS = 2e9
 _COPY_BPS = 8e9
