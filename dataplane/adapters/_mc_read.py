@@ -28,12 +28,13 @@ _ATTEMPTS = 8
 
 # Cost model of one read over TCP or RDMA (a shared-memory client reads whole objects only): each
 # contiguous piece costs a fixed time whatever its size, bytes then move at the network's rate, and
-# a local gather copy at memory speed. Per piece and per byte as benchmarks.mooncake_layout measures
-# them on loopback TCP (2-core VM: ~40 us per range, ~2 GB/s). Against the earlier values (150 us,
-# 1.2 GB/s), gets of one data-parallel rank's scattered rows over TCP were 1.03-1.18x faster wherever
-# the two chose differently, and within noise elsewhere (benchmarks/results/mooncake_cost_model_ab.md).
-_PIECE_S = 40e-6
-_NET_BPS = 2e9
+# a local gather copy at memory speed. benchmarks.mooncake_layout measures ~40 us per range and
+# ~2 GB/s on loopback TCP (2-core VM). Those values made gets of a data-parallel rank's rows 1.03-1.18x
+# faster on that VM where they chose differently from these, but 0.85-1.03x on a 16-core host
+# (benchmarks/results/mooncake_cost_model_ab.md): the best constants depend on the machine, so these
+# stay.
+_PIECE_S = 150e-6
+_NET_BPS = 1.2e9
 _COPY_BPS = 8e9
 
 
