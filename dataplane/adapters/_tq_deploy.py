@@ -5,7 +5,7 @@ One TransferQueue exists per Ray cluster: a named actor ``TransferQueueControlle
 runs (``owner=False``; this is how a Ray actor or task joins with no arguments) or *starts* one and
 owns it (``owner=True``). Only the owner tears shared things down.
 
-Facts this module is built on (measured on ``transferqueue`` 0.1.11 with Ray 2.x):
+Facts this module is built on (measured on ``transferqueue`` 0.1.11):
 
 * ``tq.init`` hangs forever, silently, when Ray lacks ``1 + num_storage_units`` free CPUs: the
   controller and each SimpleStorage unit ask for ``num_cpus=1``. We check first and bound it.
