@@ -421,15 +421,23 @@ class TestMooncakeAdapter:
             owner.kv_clear(partition_id="rng_small")
 
     def test_large_fields_match_the_memory_store(self, owner: StoreClient, other: StoreClient) -> None:
-        """Random puts, gets (by keys or by a meta, subsets and reorders, some fields) and clears, with
-        fields large enough for pooled, registered buffers and ranged reads beside small ones, give
-        what ``memory://`` gives. The state machine of the shared suite uses small data, which never
-        takes those paths (a run like this one found the -600 of a mixed ranged read; this one fails on it too)."""
+        """Random puts, gets (by keys or by a meta, subsets and reorders, some fields) and clears give
+        what ``memory://`` gives, with fields large enough for pooled, registered buffers and ranged
+        reads beside small, multi-dim and object ones. The shared suite's state machine uses small
+        data, which never takes those paths (a run like this one found the -600 of a mixed ranged
+        read; this one fails on it too)."""
         rng = random.Random(7)
         gen = torch.Generator().manual_seed(7)
         keys = [f"f{i}" for i in range(64)]
+        names = ["big", "mid", "small", "dense", "image", "obj"]
 
-        def column(field: str, n: int) -> torch.Tensor:
+        def column(field: str, n: int) -> Any:
+            if field == "obj":
+                return [
+                    rng.choice([None, "s" * rng.randint(0, 40), {"a": rng.randint(0, 9)}, [1, 2.5]]) for _ in range(n)
+                ]
+            if field == "image":
+                return torch.randint(0, 255, (n, 2, 3, 5), dtype=torch.uint8, generator=gen)
             if field == "dense":
                 return torch.rand(n, 3, generator=gen) > 0.5
             if field == "small":
@@ -438,7 +446,9 @@ class TestMooncakeAdapter:
             rows = [torch.randn(rng.randint(1, top), generator=gen).to(dtype) for _ in range(n)]
             return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
 
-        def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        def same(a: Any, b: Any) -> bool:
+            if not isinstance(a, torch.Tensor):
+                return list(a) == list(b)
             if not a.is_nested:
                 return bit_exact(a, b)
             return len(a.unbind()) == len(b.unbind()) and all(map(bit_exact, a.unbind(), b.unbind()))
@@ -451,9 +461,7 @@ class TestMooncakeAdapter:
                 op = rng.random()
                 if op < 0.35:
                     ks = rng.sample(keys, rng.randint(1, 64))
-                    data = {
-                        f: column(f, len(ks)) for f in rng.sample(["big", "mid", "small", "dense"], rng.randint(1, 4))
-                    }
+                    data = {f: column(f, len(ks)) for f in rng.sample(names, rng.randint(1, len(names)))}
                     metas = [*metas[-7:], owner.kv_batch_put(ks, data, partition_id="fuzz")]
                     mem.kv_batch_put(ks, data, partition_id="fuzz")
                 elif op < 0.9:
@@ -463,7 +471,7 @@ class TestMooncakeAdapter:
                             meta = meta.subset(rng.sample(range(len(meta.keys)), rng.randint(1, len(meta.keys))))
                         ks, fs = list(meta.keys), rng.sample(list(meta.fields), rng.randint(1, len(meta.fields)))
                     else:
-                        ks, fs = rng.sample(keys, rng.randint(1, 64)), rng.sample(["big", "mid", "small", "dense"], 2)
+                        ks, fs = rng.sample(keys, rng.randint(1, 64)), rng.sample(names, 2)
                     try:
                         want = mem.kv_batch_get(ks, select_fields=fs, partition_id="fuzz")
                     except KeyNotFound:
