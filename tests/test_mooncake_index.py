@@ -19,10 +19,13 @@ from dataplane.adapters._mc_handle import AdminClient, _lines, error_for
 from dataplane.adapters._mc_index import (
     PartitionState,
     PutIndex,
+    data_key,
+    data_prefix,
     decode_index,
     encode_index,
     index_lines,
     index_prefix,
+    is_index_key,
     make_index,
     new_put_id,
     parse_index_key,
@@ -275,3 +278,19 @@ def test_listing_answers_in_every_form_are_read_on_one_connection() -> None:
         assert len(admin._all) == 1  # one keep-alive connection throughout
     finally:
         admin.close()
+
+
+@given(
+    partition=st.text(min_size=1, max_size=12),
+    field=st.text(min_size=1, max_size=12),
+    writer=st.text(alphabet="0123456789abcdef", min_size=1, max_size=8),
+)
+def test_index_and_data_keys_are_told_apart(partition: str, field: str, writer: str) -> None:
+    """Removal takes index objects first (the read check relies on it), so no data key may pass for
+    an index key, whatever the partition and field are called ("i" and "/" included)."""
+    put_id = new_put_id(writer)
+    index = f"{index_prefix('dp', partition)}{put_id}.123"
+    data = data_key(partition_prefix("dp", partition), put_id, field)
+    assert is_index_key(index) and parse_index_key(index, index_prefix("dp", partition)) == (put_id, 123)
+    assert not is_index_key(data) and data.startswith(data_prefix("dp", partition))
+    assert not is_index_key(data_key(partition_prefix("dp", partition), put_id, "i"))

@@ -71,17 +71,34 @@ def _reader(url: str, metas: list[Any], conn: Connection) -> None:
         conn.send((results, sorted(c.kv_list(metas[0].partition_id)[metas[0].partition_id])))
 
 
-def _run(target: Any, *args: Any, timeout: float = 120) -> Any:
-    parent, child = CTX.Pipe()
-    proc = CTX.Process(target=target, args=(*args, child))
-    proc.start()
+def _run_all(jobs: list[tuple[Callable[..., None], tuple[Any, ...]]], timeout: float = 120) -> list[Any]:
+    """Run every ``(target, args)`` at once, each in a spawned process that sends one answer through
+    the pipe passed as its last argument; the answers in order. A process that sends nothing within
+    ``timeout`` fails the test, and is stopped."""
+    started = []
+    for target, args in jobs:
+        parent, child = CTX.Pipe()
+        proc = CTX.Process(target=target, args=(*args, child))
+        proc.start()
+        started.append((target, parent, proc))
     try:
-        if not parent.poll(timeout):
-            raise TimeoutError(f"{target.__name__} sent nothing within {timeout}s")
-        return parent.recv()
+        answers = []
+        for target, parent, _ in started:
+            if not parent.poll(timeout):
+                raise TimeoutError(f"{target.__name__} sent nothing within {timeout}s")
+            answers.append(parent.recv())
     finally:
-        proc.join(timeout=60)
-        assert proc.exitcode == 0, f"{target.__name__} exited with {proc.exitcode}"
+        for _, _, proc in started:
+            proc.join(timeout=60)
+            if proc.is_alive():  # a process of this test
+                proc.kill()
+                proc.join(timeout=10)
+    assert [proc.exitcode for _, _, proc in started] == [0] * len(started), "a process failed"
+    return answers
+
+
+def _run(target: Any, *args: Any, timeout: float = 120) -> Any:
+    return _run_all([(target, args)], timeout)[0]
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["shm", "tcp"])
@@ -102,19 +119,7 @@ def test_rows_outlive_their_writer_and_read_bit_exact_elsewhere(owner: StoreClie
 
 def test_concurrent_writer_processes_share_a_partition(owner: StoreClient) -> None:
     url = owner.store.join_url  # type: ignore[attr-defined]
-    conns, procs = [], []
-    for seed in (2, 3, 4):
-        parent, child = CTX.Pipe()
-        proc = CTX.Process(target=_writer, args=(url, "shared", seed, child))
-        proc.start()
-        conns.append(parent)
-        procs.append(proc)
-    metas = []
-    for parent, proc in zip(conns, procs, strict=True):
-        assert parent.poll(120)
-        metas.append(parent.recv())
-        proc.join(timeout=60)
-        assert proc.exitcode == 0
+    metas = _run_all([(_writer, (url, "shared", seed)) for seed in (2, 3, 4)])
     results, listed = _run(_reader, url, metas)
     assert results == [True, True, True]
     assert listed == sorted(k for m in metas for k in m.keys)
@@ -213,23 +218,7 @@ def test_reads_are_never_torn_while_rows_are_rewritten_and_cleared(owner: StoreC
         (_churn_writer, (url, 1, seconds, scale)),
     ]
     jobs += [(_churn_clearer, (url, seconds)), (_churn_reader, (url, seconds, scale))]
-    conns, procs = [], []
-    for target, args in jobs:
-        parent, child = CTX.Pipe()
-        proc = CTX.Process(target=target, args=(*args, child))
-        proc.start()
-        conns.append(parent)
-        procs.append(proc)
-    try:
-        answers = []
-        for parent in conns:
-            assert parent.poll(seconds + 120), "a churn process sent nothing"
-            answers.append(parent.recv())
-    finally:
-        for proc in procs:
-            proc.join(timeout=60)
-    assert [proc.exitcode for proc in procs] == [0, 0, 0, 0]
-    puts_a, puts_b, clears, (rows, _missing, bad) = answers
+    puts_a, puts_b, clears, (rows, _missing, bad) = answers = _run_all(jobs, timeout=seconds + 120)
     assert bad is None, f"a torn or foreign row was read: {bad}"
     assert puts_a and puts_b and clears and rows, answers  # every role made progress
     owner.kv_clear(partition_id="churn")

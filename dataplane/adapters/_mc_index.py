@@ -89,6 +89,18 @@ def data_key(head: str, put_id: str, field: str) -> str:
     return f"{head}d/{put_id}/{_token(field)}"
 
 
+def data_prefix(ns: str, partition_id: str) -> str:
+    """What every data object of the partition begins with (:func:`data_key`)."""
+    return f"{partition_prefix(ns, partition_id)}d/"
+
+
+def is_index_key(key: str) -> bool:
+    """Whether ``key`` is an index object (``{ns}/{partition}/i/{put id}.{bytes}``) rather than a data
+    object (``{ns}/{partition}/d/{put id}/{field}``); partitions and fields are tokens without ``/``."""
+    parts = key.rsplit("/", 2)
+    return len(parts) == 3 and parts[1] == "i"
+
+
 def new_put_id(writer: str) -> str:
     """Strictly increasing within this process; ordered by wall time across processes and hosts
     (so a rewrite from another host is ordered only as well as the clocks agree)."""

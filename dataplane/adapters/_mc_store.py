@@ -47,10 +47,12 @@ from dataplane.adapters._mc_index import (
     PutIndex,
     Resolved,
     data_key,
+    data_prefix,
     decode_index,
     encode_index,
     index_lines,
     index_prefix,
+    is_index_key,
     make_index,
     new_put_id,
     parse_index_key,
@@ -809,7 +811,7 @@ class MooncakeStore(KVStore):
                 index_keys.append(line)
                 put_ids.append(parsed[0])
         self._remove(index_keys)
-        head = _literal(f"{partition_prefix(self.ns, partition_id)}d/")
+        head = _literal(data_prefix(self.ns, partition_id))
         ids = [_literal(pid) for pid in sorted(put_ids)]
         for at in range(0, len(ids), _IDS_PER_SWEEP):
             self.handle.remove_regex(f"^{head}({'|'.join(ids[at : at + _IDS_PER_SWEEP])})/")
@@ -827,9 +829,8 @@ class MooncakeStore(KVStore):
         """Force-remove ``keys``: index objects first, then (once the master has dropped them) the data
         objects. A reader trusts what it read only while the put's index is still listed after the
         read (:meth:`_still_listed`), so no data object may go while its index can still be listed."""
-        is_index = [k.rsplit("/", 2)[-2] == "i" for k in keys]  # {head}i/{put id}.{n}, not {head}d/{put id}/{f}
-        index = [k for k, i in zip(keys, is_index, strict=True) if i]
-        data = [k for k, i in zip(keys, is_index, strict=True) if not i]
+        index = [k for k in keys if is_index_key(k)]
+        data = [k for k in keys if not is_index_key(k)]
         bad = [c for group in (index, data) if group for c in self.handle.remove(group) if c not in (0, NOT_FOUND)]
         if bad:
             log.warning("dataplane: removing %d objects failed: %s", len(bad), code_name(bad[0]))
