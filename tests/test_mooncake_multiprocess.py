@@ -1,4 +1,4 @@
-"""mooncake:// across real processes: spawned writers and readers, a killed store server, a dead
+"""mooncake:// across real processes: spawned writers and readers, a killed store server or master, a dead
 owner, teardown, and two deployments side by side."""
 
 from __future__ import annotations
@@ -224,13 +224,15 @@ def test_reads_are_never_torn_while_rows_are_rewritten_and_cleared(owner: StoreC
     owner.kv_clear(partition_id="churn")
 
 
-def _get_with_deadline(client: Any, meta: Any, seconds: float) -> tuple[BaseException | None, float]:
+def _error_within(call: Callable[[], object], seconds: float) -> tuple[BaseException | None, float]:
+    """Run ``call`` on a thread; the error it raised (None if it returned) and how long it took.
+    Fails the test if it has not returned after ``seconds`` (a hang)."""
     box: list[BaseException | None] = []
     t0 = time.monotonic()
 
     def work() -> None:
         try:
-            client.kv_batch_get(meta, select_fields=["reward"])
+            call()
             box.append(None)
         except BaseException as e:  # the typed error is the result
             box.append(e)
@@ -238,7 +240,7 @@ def _get_with_deadline(client: Any, meta: Any, seconds: float) -> tuple[BaseExce
     th = threading.Thread(target=work, daemon=True)
     th.start()
     th.join(seconds)
-    assert box, f"get did not return within {seconds}s (hang)"
+    assert box, f"the call did not return within {seconds}s (hang)"
     return box[0], time.monotonic() - t0
 
 
@@ -251,16 +253,45 @@ def test_killed_store_server_gives_typed_errors_in_bounded_time(shm: bool) -> No
         server = c.store.deployment.server  # type: ignore[attr-defined]
         os.kill(server.pid, signal.SIGKILL)  # a process this test's deployment started
         server._proc.wait(timeout=10)
-        err, took = _get_with_deadline(c, meta, 60)
+        err, took = _error_within(lambda: c.kv_batch_get(meta, select_fields=["reward"]), 60)
         assert isinstance(err, (BackendUnavailable, KeyNotFound)), repr(err)
         assert took < 30
         time.sleep(3)  # past client_ttl: the master forgets the dead segment
-        err, took = _get_with_deadline(c, meta, 60)
+        err, took = _error_within(lambda: c.kv_batch_get(meta, select_fields=["reward"]), 60)
         assert isinstance(err, (BackendUnavailable, KeyNotFound)), repr(err)
         with pytest.raises(DataPlaneError):
             c.kv_batch_put(keys, fields, partition_id="after")
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "tcp"])
+def test_killed_master_gives_typed_errors_in_bounded_time(shm: bool) -> None:
+    """With the master dead, every call raises BackendUnavailable within about its ``timeout_s``
+    (a Mooncake call already under way may overrun it by one RPC's own timeout), and close still
+    stops what the client started."""
+    c = dataplane.connect(f"mooncake://local?segment_bytes=64MiB&timeout_s=8&shm={shm}")
+    pids = c.store.deployment.pids  # type: ignore[attr-defined]
+    try:
+        keys, fields = _batch(6)
+        meta = c.kv_batch_put(keys, fields, partition_id="doomed")
+        master = c.store.deployment.master  # type: ignore[attr-defined]
+        os.kill(master.pid, signal.SIGKILL)  # a process this test's deployment started
+        master._proc.wait(timeout=10)
+        calls: dict[str, Callable[[], object]] = {
+            "get by meta": lambda: c.kv_batch_get(meta, select_fields=["reward"]),
+            "get by keys": lambda: c.kv_batch_get(keys, partition_id="doomed", select_fields="reward"),
+            "put": lambda: c.kv_batch_put(keys, fields, partition_id="after"),
+            "list": lambda: c.kv_list(),
+            "clear": lambda: c.kv_clear(partition_id="doomed"),
+        }
+        for name, call in calls.items():
+            err, took = _error_within(call, 60)
+            assert isinstance(err, BackendUnavailable), (name, repr(err))
+            assert took < 30, (name, took)
+    finally:
+        c.close()
+    assert not any(_pid_alive(p) for p in pids)
 
 
 def test_close_leaves_no_process_and_deployments_do_not_interfere() -> None:
