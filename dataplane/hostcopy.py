@@ -16,7 +16,7 @@ import torch
 
 from dataplane._threads import LazyPool, usable_cpus
 
-__all__ = ["copy_bytes"]
+__all__ = ["copy_bytes", "gather_bytes", "merge_spans"]
 
 _SPLIT_MIN = 4 << 20  # copies from this size on are split; each piece is at least this large
 _MAX_THREADS = 4  # memory-bound: a few threads reach the host's copy bandwidth
@@ -51,3 +51,36 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     finally:  # no timeout: a memcpy always ends, and returning early would free bytes still being written
         for f in pending:
             f.result()
+
+
+def merge_spans(starts: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Spans ``[starts[k], starts[k] + sizes[k])`` laid back to back, merged where one ends where the
+    next begins: (where each merged span lands in the back-to-back layout, its start, its size).
+    Empty spans are dropped. One vectorized pass: a get of a data-parallel rank's rows has one span
+    per row, thousands of them."""
+    keep = sizes > 0
+    lands = (np.cumsum(sizes) - sizes)[keep]
+    starts, sizes = starts[keep], sizes[keep]
+    if len(sizes) <= 1:
+        return lands, starts, sizes
+    cut = np.flatnonzero(starts[1:] != starts[:-1] + sizes[:-1]) + 1
+    first = np.concatenate((np.zeros(1, dtype=np.int64), cut))
+    return lands[first], starts[first], np.add.reduceat(sizes, first)
+
+
+def gather_bytes(
+    dst: torch.Tensor, src: torch.Tensor, starts: np.ndarray, sizes: np.ndarray, *, merge: bool = True
+) -> None:
+    """Copy ``src[starts[k] : starts[k] + sizes[k]]`` for every k, back to back, into ``dst`` (uint8
+    tensors; ``dst`` holds exactly ``sizes.sum()`` bytes), merged by :func:`merge_spans` unless the
+    caller did (``merge=False``: no empty span, none that ends where the next begins). Many
+    spans go through one ``np.concatenate``: a fraction of the cost of a Python loop of slice copies."""
+    if len(sizes) > 1 and merge:
+        _, starts, sizes = merge_spans(starts, sizes)
+    if len(sizes) == 1:
+        s = int(starts[0])
+        dst.copy_(src[s : s + int(sizes[0])])
+    elif len(sizes):
+        s_np = src.numpy()
+        pieces = [s_np[s : s + m] for s, m in zip(starts.tolist(), sizes.tolist(), strict=True)]
+        np.concatenate(pieces, out=dst.numpy())

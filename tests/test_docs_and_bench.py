@@ -167,6 +167,32 @@ def test_mooncake_layout_benchmark_times_every_layout_and_checks_its_reads(tmp_p
     assert "| tcp | 1MB | row_field |" in out.with_suffix(".md").read_text()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "url",
+    [
+        "memory://",
+        pytest.param(
+            "mooncake://local?segment_bytes=256MiB&shm=false",
+            marks=[
+                pytest.mark.mooncake,
+                pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake is not installed"),
+            ],
+        ),
+    ],
+)
+def test_rank_rows_benchmark_checks_every_kind_of_read(tmp_path: Path, url: str) -> None:
+    """The rank-read benchmark checks its whole and per-rank reads bit-exact (raising inside) and
+    reports each rank's read against the whole one."""
+    out = tmp_path / "rank"
+    _run_results_bench("rank_rows", out, f"--backends {url} --size-mb 1 --rows 16,64 --dp 2,8 --repeat 2 --warmup 0")
+    cells = json.loads(out.with_suffix(".json").read_text())["results"][url]
+    assert sorted(cells) == ["16", "64"]
+    for cell in cells.values():
+        assert min(cell["whole_ms"], cell["dp2_ms"], cell["dp8_ms"], cell["dp8_vs_whole"]) > 0
+    assert f"| `{url}` | 64 |" in out.with_suffix(".md").read_text()
+
+
 def _run_results_bench(module: str, out: Path, args: str) -> None:
     """``python -m benchmarks.<module> ARGS --out OUT`` (a results benchmark: writes OUT.json and OUT.md)."""
     cmd = [sys.executable, "-m", f"benchmarks.{module}", *args.split(), "--out", str(out)]

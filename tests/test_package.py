@@ -10,12 +10,14 @@ import threading
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import dataplane
 from dataplane._threads import Helper
 from dataplane.bufpool import BufferPool
 from dataplane.errors import BackendUnavailable, ClientClosed, InvalidArgument
-from dataplane.hostcopy import copy_bytes
+from dataplane.hostcopy import copy_bytes, gather_bytes, merge_spans
 from dataplane.observability import CallEvent, ObservedClient
 from dataplane.registry import AdapterSpec
 
@@ -154,6 +156,28 @@ def test_copy_bytes_is_exact_for_any_size_and_dtype(monkeypatch: pytest.MonkeyPa
     assert torch.equal(dst.view(torch.bfloat16), src.detach())
     with pytest.raises(ValueError, match="bytes into"):
         copy_bytes(torch.empty(3, dtype=torch.uint8), torch.empty(1, dtype=torch.float32))
+
+
+@given(spans=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 9)), max_size=40), merge=st.booleans())
+@settings(max_examples=300, deadline=None)
+def test_gather_bytes_matches_a_loop_of_slice_copies(spans: list[tuple[int, int]], merge: bool) -> None:
+    """Spans in any order, overlapping, adjacent (merged) or empty (dropped): the bytes are those of
+    a plain loop, and merging keeps exactly the same bytes in fewer spans."""
+    src = torch.randint(0, 256, (80,), dtype=torch.uint8)
+    starts = np.array([a for a, _ in spans], dtype=np.int64)
+    sizes = np.array([m for _, m in spans], dtype=np.int64)
+    want = torch.cat([src[a : a + m] for a, m in spans]) if spans else src[:0]
+    lands, mstarts, msizes = merge_spans(starts, sizes)
+    assert (msizes > 0).all() and int(msizes.sum()) == int(sizes.sum())
+    merged = [src[a : a + m] for a, m in zip(mstarts.tolist(), msizes.tolist(), strict=True)]
+    assert torch.equal(torch.cat(merged) if merged else src[:0], want)
+    assert lands.tolist() == (np.cumsum(msizes) - msizes).tolist()
+    assert not (mstarts[1:] == mstarts[:-1] + msizes[:-1]).any()  # nothing left to merge
+    if not merge:  # the caller promises merged spans
+        starts, sizes = mstarts, msizes
+    dst = torch.full((len(want),), 7, dtype=torch.uint8)
+    gather_bytes(dst, src, starts, sizes, merge=merge)
+    assert torch.equal(dst, want)
 
 
 def test_buffer_pool_reuses_slabs_only_after_release() -> None:

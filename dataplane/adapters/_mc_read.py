@@ -20,6 +20,7 @@ from dataplane.adapters._mc_handle import NOT_FOUND, NOT_READY, TRANSIENT, Store
 from dataplane.adapters._mc_index import PutIndex, Resolved
 from dataplane.bufpool import BufferPool
 from dataplane.codec.wire import Column
+from dataplane.hostcopy import gather_bytes
 from dataplane.schema import FieldSchema
 
 __all__ = ["Landing", "ReadOp", "Reader", "Vanished"]
@@ -68,7 +69,94 @@ class Landing:
         return self.own.get(field)
 
 
-_Gather = tuple[np.ndarray, np.ndarray, list[tuple[int, int, int]]]  # (dst, staged object, runs)
+# result buffer, staged object, runs (where each lands in the result, where it is in the object,
+# its size), stretches of runs that land back to back
+_Gather = tuple[torch.Tensor, torch.Tensor, tuple[np.ndarray, np.ndarray, np.ndarray], list[tuple[int, int]]]
+_Groups = list[tuple[PutIndex, np.ndarray]]
+
+
+def _put_groups(locs: Sequence[tuple[PutIndex, int]]) -> _Groups:
+    """``locs`` as runs of consecutive rows from one put: (put, the rows' indices in it)."""
+    if not locs:
+        return []
+    first = locs[0][0]
+    if all(p is first for p, _ in locs):  # the usual case: one put
+        return [(first, np.fromiter((i for _, i in locs), np.int64, len(locs)))]
+    groups: list[tuple[PutIndex, list[int]]] = []
+    put: PutIndex | None = None
+    idx: list[int] = []
+    for p, i in locs:
+        if p is not put:
+            put, idx = p, []
+            groups.append((p, idx))
+        idx.append(i)
+    return [(p, np.array(i, dtype=np.int64)) for p, i in groups]
+
+
+@dataclass
+class _Spans:
+    """Where a get's rows of one field are, in leading-dim units (rows of a dense field, elements of
+    a jagged one): fields resolved alike over the same offsets share it, and scale it by their own
+    bytes per unit. Vectorized over rows: a data-parallel rank's share of a batch has one span per
+    row, thousands of them."""
+
+    total: int
+    offsets: torch.Tensor | None  # of the result (jagged and object fields)
+    # per put: where its merged spans land in the result, where they start in its object, their
+    # sizes, and the stretches of them that land back to back (one gather each)
+    puts: list[tuple[PutIndex, np.ndarray, np.ndarray, np.ndarray, list[tuple[int, int]]]]
+
+    @classmethod
+    def of(cls, groups: _Groups, field: str, jagged: bool) -> _Spans:
+        starts, sizes = [], []
+        for p, rows in groups:
+            offsets = p.fields[field].offsets
+            if offsets is None:
+                starts.append(rows)
+                sizes.append(np.ones(len(rows), dtype=np.int64))
+            else:
+                first = offsets[rows]
+                starts.append(first)
+                sizes.append(offsets[rows + 1] - first)
+        every = np.concatenate(sizes) if len(sizes) != 1 else sizes[0]
+        lands = np.cumsum(every) - every
+        total = int(lands[-1] + every[-1]) if len(every) else 0
+        out = None
+        if jagged:
+            out = torch.zeros(len(every) + 1, dtype=torch.int64)
+            torch.cumsum(torch.from_numpy(every), 0, out=out[1:])
+        by_put: dict[str, tuple[PutIndex, list[tuple[np.ndarray, np.ndarray, np.ndarray]]]] = {}
+        at = 0
+        for (p, rows), st, sz in zip(groups, starts, sizes, strict=True):
+            by_put.setdefault(p.put_id, (p, []))[1].append((lands[at : at + len(rows)], st, sz))
+            at += len(rows)
+        puts = []
+        for p, parts in by_put.values():
+            d, src, m = (np.concatenate(x) if len(parts) > 1 else x[0] for x in zip(*parts, strict=True))
+            keep = m > 0
+            d, src, m = d[keep], src[keep], m[keep]
+            if not len(m):
+                continue
+            # merge spans that are contiguous both where they land and in the object
+            cut = np.flatnonzero((d[1:] != d[:-1] + m[:-1]) | (src[1:] != src[:-1] + m[:-1])) + 1
+            head = np.concatenate((np.zeros(1, dtype=np.int64), cut))
+            d, src, m = d[head], src[head], np.add.reduceat(m, head)
+            breaks = (np.flatnonzero(d[1:] != d[:-1] + m[:-1]) + 1).tolist()
+            puts.append((p, d, src, m, list(zip([0, *breaks], [*breaks, len(m)], strict=True))))
+        return cls(total, out, puts)
+
+
+def _gather(
+    dst: torch.Tensor,
+    stage: torch.Tensor,
+    runs: tuple[np.ndarray, np.ndarray, np.ndarray],
+    stretches: list[tuple[int, int]],
+) -> None:
+    """Copy the runs (where each lands in ``dst``, where it is in ``stage``, size) of a staged object."""
+    lands, starts, sizes = runs
+    for lo, hi in stretches:
+        at, n = int(lands[lo]), int(sizes[lo:hi].sum())
+        gather_bytes(dst[at : at + n], stage, starts[lo:hi], sizes[lo:hi], merge=False)
 
 
 def _empty(schema: FieldSchema, rows: int) -> torch.Tensor:
@@ -100,19 +188,27 @@ class Reader:
             cols.update(self.columns_over(whole[fs[0]], fs, landing))
         out: dict[str, Column] = {}
         gathers: list[_Gather] = []
+        groups: dict[int, _Groups] = {}  # fields resolved alike share their locs (and these groups)
+        spans: dict[tuple[int, ...], _Spans] = {}  # and, over the same offsets, their spans
         for field, res in resolved.items():
             if field in cols:
                 out[field] = cols[field]
                 continue
-            out[field], field_ops, field_gathers = self._plan_field(field, res)
+            grouped = groups.get(id(res.locs))
+            if grouped is None:
+                grouped = groups[id(res.locs)] = _put_groups(res.locs)
+            like = (id(res.locs), *(id(p.fields[field].offsets) for p, _ in grouped))
+            field_spans = spans.get(like)
+            if field_spans is None:
+                field_spans = spans[like] = _Spans.of(grouped, field, res.schema.kind != "dense")
+            out[field], field_ops, field_gathers = self._plan_field(field, res, field_spans)
             ops += field_ops
             gathers += field_gathers
 
         def fill(deadline: float) -> None:
             self.run(ops, deadline)
-            for dst, stage, runs in gathers:
-                for d, src, n in runs:
-                    dst[d : d + n] = stage[src : src + n]
+            for gather in gathers:
+                _gather(*gather)
 
         return out, fill
 
@@ -154,56 +250,33 @@ class Reader:
             out[field] = Column(schema, values, offsets)
         return out
 
-    def _plan_field(self, field: str, res: Resolved) -> tuple[Column, list[ReadOp], list[_Gather]]:
+    def _plan_field(self, field: str, res: Resolved, spans: _Spans) -> tuple[Column, list[ReadOp], list[_Gather]]:
         """Rows from several puts, or not in their put's order: ranged or staged reads."""
-        schema, locs = res.schema, res.locs
-        n = len(locs)
-        runs: dict[str, list[tuple[int, int, int]]] = {}  # put_id -> [(dst, src, size)]
-        puts: dict[str, PutIndex] = {}
-        lengths: list[int] = []
-        total = 0
-        for p, i in locs:
-            entry = p.fields[field]
-            src, size = entry.span(i)
-            if entry.offsets is not None:
-                lengths.append(entry.length(i))
-            if size:
-                prs = runs.setdefault(p.put_id, [])
-                puts[p.put_id] = p
-                if prs and prs[-1][0] + prs[-1][2] == total and prs[-1][1] + prs[-1][2] == src:
-                    d, s, m = prs[-1]
-                    prs[-1] = (d, s, m + size)
-                else:
-                    prs.append((total, src, size))
-            total += size
-        offsets = None
-        if schema.kind != "dense":
-            offsets = torch.zeros(n + 1, dtype=torch.int64)
-            if n:
-                torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0, out=offsets[1:])
+        schema, unit = res.schema, res.schema.row_nbytes
+        total = spans.total * unit
         buf = self.pool.empty(total)
         base = buf.data_ptr()
         can_range = self.handle.covers(base, total)  # get_into_ranges reads only into registered memory
         ops: list[ReadOp] = []
         gathers: list[_Gather] = []
-        for pid, prs in runs.items():
-            p = puts[pid]
+        for p, lands, starts, sizes, stretches in spans.puts:
+            d, src, m = lands * unit, starts * unit, sizes * unit
             key, nbytes = p.data_key(field), p.fields[field].nbytes
-            if len(prs) == 1 and prs[0][1] == 0 and prs[0][2] == nbytes:  # whole object, in place
-                ops.append(ReadOp(key, base + prs[0][0], nbytes))
+            if len(m) == 1 and src[0] == 0 and m[0] == nbytes:  # whole object, in place
+                ops.append(ReadOp(key, base + int(d[0]), nbytes))
                 continue
-            need = sum(m for _, _, m in prs)
-            ranged_s = len(prs) * _PIECE_S + need / _NET_BPS
+            need = int(m.sum())
+            ranged_s = len(m) * _PIECE_S + need / _NET_BPS
             whole_s = _PIECE_S + nbytes / _NET_BPS + need / _COPY_BPS
             if can_range and ranged_s <= whole_s:
-                ops.append(ReadOp(key, base, nbytes, prs))
+                ops.append(ReadOp(key, base, nbytes, list(zip(d.tolist(), src.tolist(), m.tolist(), strict=True))))
             else:
                 stage = self.pool.empty(nbytes)
                 ops.append(ReadOp(key, stage.data_ptr(), nbytes))
-                gathers.append((buf.numpy(), stage.numpy(), prs))
-        rows = n if offsets is None else int(offsets[-1])
+                gathers.append((buf, stage, (d, src, m), stretches))
+        rows = len(res.locs) if spans.offsets is None else spans.total
         values = schema.view_rows(buf, rows) if total else _empty(schema, rows)
-        return Column(schema, values, offsets), ops, gathers
+        return Column(schema, values, spans.offsets), ops, gathers
 
     def run(self, ops: list[ReadOp], deadline: float) -> None:
         """Issue the reads (one call, or one per 1024 keys); retry what Mooncake may recover from."""

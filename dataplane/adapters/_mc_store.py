@@ -278,11 +278,13 @@ class MooncakeStore(KVStore):
         data objects they name (:meth:`_remove`), so an index still listed after the read means its
         data objects were there throughout."""
         used = set()
+        seen: set[int] = set()  # fields resolved alike share one locs list: scan it once
         for res in resolved.values():
             if res.whole is not None:
                 used.add(res.whole.key)
-            else:
-                used.update(p.key for p, _ in res.locs)
+            elif id(res.locs) not in seen:
+                seen.add(id(res.locs))
+                used.update({id(p): p.key for p, _ in res.locs}.values())
         return used.issubset(lines)
 
     def _listing(self, deadline: float) -> list[str]:

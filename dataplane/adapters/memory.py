@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
+import numpy as np
 import torch
 
 from dataplane.bufpool import BufferPool, default_pool
@@ -25,6 +26,7 @@ from dataplane.client import Capabilities, Listing
 from dataplane.codec.jagged import offsets_from_lengths
 from dataplane.codec.wire import Column
 from dataplane.errors import CapacityExceeded, DataPlaneTimeout, InvalidArgument, missing_rows_error
+from dataplane.hostcopy import gather_bytes
 from dataplane.meta import KVBatchMeta
 from dataplane.registry import url_option
 from dataplane.schema import FieldSchema, check_compatible
@@ -138,66 +140,98 @@ def _stored_copy(col: Column, pool: BufferPool, offsets: dict[int, torch.Tensor]
     return _Chunk(buf, own)
 
 
-Run = tuple[_Chunk, int, int]  # rows first..last (inclusive) of a chunk
+@dataclass(frozen=True, slots=True)
+class _Rows:
+    """Rows read from one put, in get order: their indices in it, grouped into runs of consecutive
+    rows (``first[k]`` to ``last[k]`` inclusive). One run is one copy per field."""
+
+    idx: np.ndarray
+    first: np.ndarray
+    last: np.ndarray
+
+    @classmethod
+    def of(cls, rows: list[int]) -> _Rows:
+        idx = np.array(rows, dtype=np.int64)
+        if len(idx) and idx[-1] - idx[0] == len(idx) - 1 and (len(idx) < 3 or bool((np.diff(idx) == 1).all())):
+            return cls(idx, idx[:1], idx[-1:])
+        cut = np.flatnonzero(idx[1:] != idx[:-1] + 1) + 1
+        return cls(idx, idx[np.concatenate(([0], cut))], idx[np.concatenate((cut - 1, [len(idx) - 1]))])
 
 
-def _block_runs(refs: list[_Ref]) -> list[tuple[_Block, int, int]]:
-    """Group consecutive rows of one put, so each group is one copy per field."""
-    runs: list[tuple[_Block, int, int]] = []
+Piece = tuple[_Chunk, _Rows]  # rows of one put read from its chunk of a field
+
+
+def _block_rows(refs: list[_Ref]) -> list[tuple[_Block, _Rows]]:
+    """Group consecutive rows read from one put: each group is one vectorized gather per field."""
+    groups: list[tuple[_Block, list[int]]] = []
+    block: _Block | None = None
+    idx: list[int] = []
     for ref in refs:
-        if runs and runs[-1][0] is ref.block and runs[-1][2] + 1 == ref.idx:
-            runs[-1] = (ref.block, runs[-1][1], ref.idx)
-        else:
-            runs.append((ref.block, ref.idx, ref.idx))
-    return runs
+        if ref.block is not block:
+            block, idx = ref.block, []
+            groups.append((block, idx))
+        idx.append(ref.idx)
+    return [(b, _Rows.of(i)) for b, i in groups]
 
 
-Span = tuple[_Chunk, int, int]  # leading-dim rows a..b (exclusive) of a chunk's buffer
-
-
-def _spans(schema: FieldSchema, runs: list[Run]) -> list[Span]:
+def _spans(schema: FieldSchema, chunk: _Chunk, rows: _Rows) -> tuple[np.ndarray, np.ndarray]:
+    """Where each run of ``rows`` starts in the chunk's buffer, and its length (leading-dim units)."""
     if schema.kind == "dense":
-        return [(chunk, first, last + 1) for chunk, first, last in runs]
-    out = []
-    for chunk, first, last in runs:
-        assert chunk.offsets is not None
-        out.append((chunk, int(chunk.offsets[first]), int(chunk.offsets[last + 1])))
-    return out
+        return rows.first, rows.last - rows.first + 1
+    assert chunk.offsets is not None
+    offsets = chunk.offsets.numpy()
+    first = offsets[rows.first]
+    return first, offsets[rows.last + 1] - first
+
+
+def _lengths(chunk: _Chunk, rows: _Rows) -> np.ndarray:
+    """The length of each of ``rows`` (jagged and object fields)."""
+    assert chunk.offsets is not None
+    offsets: np.ndarray = chunk.offsets.numpy()
+    if len(rows.first) == 1:
+        return np.diff(offsets[int(rows.first[0]) : int(rows.last[0]) + 2])
+    lengths: np.ndarray = offsets[rows.idx + 1] - offsets[rows.idx]
+    return lengths
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
 
 
 def _assemble(
-    schemas: Mapping[str, FieldSchema], runs: Mapping[str, list[Run]], fields: Sequence[str]
+    schemas: Mapping[str, FieldSchema], pieces: Mapping[str, list[Piece]], fields: Sequence[str]
 ) -> dict[str, Column]:
-    """Copy each field's runs back to back into memory the caller owns: fields of 1 MiB or more
-    share one pooled buffer (:meth:`BufferPool.carve`), smaller ones get their own. Fields whose
-    runs cover the same rows of one stored offsets tensor share one offsets tensor, hence one ragged
+    """Copy each field's rows back to back into memory the caller owns: fields of 1 MiB or more
+    share one pooled buffer (:meth:`BufferPool.carve`), smaller ones get their own. Fields read from
+    the same stored offsets tensors, over the same rows, share one offsets tensor, hence one ragged
     dim."""
-    spans = {f: _spans(schemas[f], runs[f]) for f in fields}
-    rows = {f: sum(b - a for _, a, b in spans[f]) for f in fields}
-    nbytes = {f: rows[f] * schemas[f].row_nbytes for f in fields}
+    spans = {f: [_spans(schemas[f], chunk, rows) for chunk, rows in pieces[f]] for f in fields}
+    lengths = {f: [int(ln.sum()) for _, ln in spans[f]] for f in fields}
+    nbytes = {f: sum(lengths[f]) * schemas[f].row_nbytes for f in fields}
     carved = default_pool().carve(nbytes)
     layouts: dict[tuple[Any, ...], torch.Tensor] = {}
     out: dict[str, Column] = {}
     for f in fields:
         schema = schemas[f]
+        unit = schema.row_nbytes
         raw = carved.get(f)
-        values = schema.view_rows(torch.empty(nbytes[f], dtype=torch.uint8) if raw is None else raw, rows[f])
+        if raw is None:
+            raw = torch.empty(nbytes[f], dtype=torch.uint8)
         at = 0
-        for chunk, a, b in spans[f]:
-            if b > a:
-                values[at : at + b - a].copy_(chunk.buf[a:b])
-            at += b - a
+        for (chunk, _), (first, length), n in zip(pieces[f], spans[f], lengths[f], strict=True):
+            if n:
+                gather_bytes(raw[at : at + n * unit], _as_bytes(chunk.buf), first * unit, length * unit)
+            at += n * unit
+        values = schema.view_rows(raw, sum(lengths[f]))
         if schema.kind == "dense":
             out[f] = Column(schema, values)
             continue
-        layout = tuple((id(chunk.offsets), first, last) for chunk, first, last in runs[f])
+        layout = tuple((id(chunk.offsets), id(rows)) for chunk, rows in pieces[f])
         offsets = layouts.get(layout)
         if offsets is None:
-            pieces = []
-            for chunk, first, last in runs[f]:
-                assert chunk.offsets is not None
-                pieces.append(chunk.offsets[first + 1 : last + 2] - chunk.offsets[first : last + 1])
-            offsets = layouts[layout] = offsets_from_lengths(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
+            parts = [_lengths(chunk, rows) for chunk, rows in pieces[f]]
+            lens = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            offsets = layouts[layout] = offsets_from_lengths(torch.from_numpy(lens))
         out[f] = Column(schema, values, offsets)
     return out
 
@@ -352,18 +386,18 @@ class MemoryStore(KVStore):
                 if missing_fields:
                     raise missing_rows_error(partition_id, (), missing_fields)
             schemas = {f: part.schema[f] for f in fields}
-            grouped: dict[int, list[tuple[_Block, int, int]]] = {}
-            runs: dict[str, list[Run]] = {}
+            grouped: dict[int, list[tuple[_Block, _Rows]]] = {}
+            pieces: dict[str, list[Piece]] = {}
             for f in fields:
                 refs = per_field[f]
                 if id(refs) not in grouped:  # the common case groups once for every field
-                    grouped[id(refs)] = _block_runs(refs)
-                runs[f] = [(block.chunks[f], first, last) for block, first, last in grouped[id(refs)]]
+                    grouped[id(refs)] = _block_rows(refs)
+                pieces[f] = [(block.chunks[f], rows) for block, rows in grouped[id(refs)]]
         finally:
             self._lock.release()
         # Copy outside the lock: a stored buffer is never written after its put publishes it, and
-        # ``runs`` holds the chunks alive even if a concurrent put or clear drops them.
-        return _assemble(schemas, runs, fields)
+        # ``pieces`` holds the chunks alive even if a concurrent put or clear drops them.
+        return _assemble(schemas, pieces, fields)
 
     def clear(self, partition_id: str, keys: Sequence[str] | None, *, timeout_s: float) -> None:
         self._acquire(timeout_s)

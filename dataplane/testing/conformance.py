@@ -168,6 +168,53 @@ class ClientConformance:
         finally:
             client.kv_clear(partition_id=pid)
 
+    @given(sizes=st.tuples(st.integers(1, 300), st.integers(1, 300), st.integers(1, 300)), seed=st.integers(0, 2**20))
+    @_SLOW
+    def test_scattered_rows_of_several_puts(self, client: DataPlaneClient, sizes: tuple[int, ...], seed: int) -> None:
+        """Gets of a data-parallel rank's rows (every dp-th) and of random rows in random order, over
+        three puts that rewrite each other's rows (the last only one jagged field, with new lengths),
+        hundreds of rows each: checked row by row against what was put."""
+        g = torch.Generator().manual_seed(seed)
+        pid = f"hyp-{uuid.uuid4().hex[:10]}"
+        pool = [f"k{i}" for i in range(max(sizes) * 2)]
+        model: dict[str, dict[str, Any]] = {}
+        try:
+            for step, n in enumerate(sizes):
+                keys = [pool[int(i)] for i in torch.randperm(len(pool), generator=g)[:n]]
+                lens = torch.randint(0, 20, (n,), generator=g).tolist()
+                toks = [torch.randint(0, 150_000, (m,), generator=g) for m in lens]
+                fields: dict[str, Any] = {"tok": _jagged(toks)}
+                if step < 2 or not model:
+                    fields["lp"] = _jagged([torch.randn(m, generator=g).to(torch.bfloat16) for m in lens])
+                    fields["vec"] = torch.randn(n, 3, generator=g)
+                    fields["r"] = torch.randn(n, generator=g).to(torch.float16)
+                    fields["obj"] = [
+                        {"i": int(i), "s": "x" * (int(i) % 4)} for i in torch.randint(0, 99, (n,), generator=g)
+                    ]
+                else:
+                    keys = [k for k in keys if k in model] or list(model)[:1]
+                    toks = toks[: len(keys)] + [torch.arange(3)] * (len(keys) - len(toks))
+                    fields = {"tok": _jagged(toks)}
+                client.kv_batch_put(keys, fields, partition_id=pid)
+                for i, k in enumerate(keys):
+                    row = model.setdefault(k, {})
+                    for f, v in fields.items():
+                        row[f] = v[i] if f == "obj" else _rows_of(v)[i]
+            names = ["tok", "lp", "vec", "r", "obj"]
+            keys = list(model)
+            picks = [keys[::dp] for dp in (2, 4, 8)]
+            picks.append([keys[int(i)] for i in torch.randperm(len(keys), generator=g)[: max(1, len(keys) // 3)]])
+            for want in picks:
+                out = client.kv_batch_get(want, partition_id=pid, select_fields=names)
+                assert out["obj"] == [model[k]["obj"] for k in want]
+                for f in names[:4]:
+                    got = _rows_of(out[f])
+                    assert len(got) == len(want)
+                    bad = [k for k, r in zip(want, got, strict=True) if not bit_exact(r, model[k][f])]
+                    assert not bad, (f, bad[:5])
+        finally:
+            client.kv_clear(partition_id=pid)
+
     # -- semantics ------------------------------------------------------------------------------
     def test_get_returns_requested_order_and_fields(self, client: DataPlaneClient, pid: str) -> None:
         keys = [f"r{i}" for i in range(8)]
