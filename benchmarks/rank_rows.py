@@ -33,7 +33,11 @@ def _shard(fields: dict[str, Any], rows: list[int]) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for name, v in fields.items():
-        out[name] = torch.nested.as_nested_tensor([v[i] for i in rows], layout=torch.jagged) if v.is_nested else v[rows]
+        if v.is_nested:
+            every = v.unbind()  # once: indexing a nested tensor row by row unbinds it every time
+            out[name] = torch.nested.as_nested_tensor([every[i] for i in rows], layout=torch.jagged)
+        else:
+            out[name] = v[rows]
     return out
 
 
