@@ -142,11 +142,6 @@ class FieldEntry:
         a = int(self.offsets[i])
         return a * self.unit, (int(self.offsets[i + 1]) - a) * self.unit
 
-    def length(self, i: int) -> int:
-        """Leading-dim length of row ``i`` (jagged / object)."""
-        assert self.offsets is not None
-        return int(self.offsets[i + 1] - self.offsets[i])
-
 
 @dataclass(frozen=True, slots=True)
 class PutIndex:

@@ -93,7 +93,7 @@ def _put_groups(locs: Sequence[tuple[PutIndex, int]]) -> _Groups:
     return [(p, np.array(i, dtype=np.int64)) for p, i in groups]
 
 
-@dataclass
+@dataclass(eq=False)
 class _Spans:
     """Where a get's rows of one field are, in leading-dim units (rows of a dense field, elements of
     a jagged one): fields resolved alike over the same offsets share it, and scale it by their own
@@ -118,7 +118,7 @@ class _Spans:
                 first = offsets[rows]
                 starts.append(first)
                 sizes.append(offsets[rows + 1] - first)
-        every = np.concatenate(sizes) if len(sizes) != 1 else sizes[0]
+        every = np.concatenate(sizes) if len(sizes) > 1 else sizes[0] if sizes else np.zeros(0, dtype=np.int64)
         lands = np.cumsum(every) - every
         total = int(lands[-1] + every[-1]) if len(every) else 0
         out = None

@@ -140,7 +140,7 @@ def _stored_copy(col: Column, pool: BufferPool, offsets: dict[int, torch.Tensor]
     return _Chunk(buf, own)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class _Rows:
     """Rows read from one put, in get order: their indices in it, grouped into runs of consecutive
     rows (``first[k]`` to ``last[k]`` inclusive). One run is one copy per field."""
