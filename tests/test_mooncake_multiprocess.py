@@ -244,15 +244,19 @@ def _error_within(call: Callable[[], object], seconds: float) -> tuple[BaseExcep
     return box[0], time.monotonic() - t0
 
 
+def _kill(proc: Any) -> None:
+    """SIGKILL a process this test's deployment started, and reap it."""
+    os.kill(proc.pid, signal.SIGKILL)
+    proc._proc.wait(timeout=10)
+
+
 @pytest.mark.parametrize("shm", [True, False], ids=["shm", "tcp"])
 def test_killed_store_server_gives_typed_errors_in_bounded_time(shm: bool) -> None:
     c = dataplane.connect(f"mooncake://local?segment_bytes=64MiB&client_ttl_s=2&timeout_s=20&shm={shm}")
     try:
         keys, fields = _batch(5)
         meta = c.kv_batch_put(keys, fields, partition_id="doomed")
-        server = c.store.deployment.server  # type: ignore[attr-defined]
-        os.kill(server.pid, signal.SIGKILL)  # a process this test's deployment started
-        server._proc.wait(timeout=10)
+        _kill(c.store.deployment.server)  # type: ignore[attr-defined]
         err, took = _error_within(lambda: c.kv_batch_get(meta, select_fields=["reward"]), 60)
         assert isinstance(err, (BackendUnavailable, KeyNotFound)), repr(err)
         assert took < 30
@@ -275,9 +279,7 @@ def test_killed_master_gives_typed_errors_in_bounded_time(shm: bool) -> None:
     try:
         keys, fields = _batch(6)
         meta = c.kv_batch_put(keys, fields, partition_id="doomed")
-        master = c.store.deployment.master  # type: ignore[attr-defined]
-        os.kill(master.pid, signal.SIGKILL)  # a process this test's deployment started
-        master._proc.wait(timeout=10)
+        _kill(c.store.deployment.master)  # type: ignore[attr-defined]
         calls: dict[str, Callable[[], object]] = {
             "get by meta": lambda: c.kv_batch_get(meta, select_fields=["reward"]),
             "get by keys": lambda: c.kv_batch_get(keys, partition_id="doomed", select_fields="reward"),
