@@ -24,6 +24,13 @@ _PAGE = 4096
 
 _HELPERS = LazyPool(_MAX_THREADS - 1, "dataplane-copy")
 
+# A gather of spans averaging fewer elements than this goes by an element index (np.take) instead
+# of one slice per span: a slice costs ~0.3 us whatever its size, an indexed element 1-3 ns
+# (2-core VM: 32K spans of 20 elements 10.6 -> 1.2 ms; of 300, slices win 0.6 against 0.9 ms).
+_INDEX_BELOW = 100
+_INDEX_BLOCK = 1 << 20  # elements per index block (8 MB of int64 indices at most)
+_WORDS = {8: np.uint64, 4: np.uint32, 2: np.uint16, 1: np.uint8}
+
 
 def _threads() -> int:
     return max(1, min(_MAX_THREADS, usable_cpus()))
@@ -74,13 +81,37 @@ def gather_bytes(
     """Copy ``src[starts[k] : starts[k] + sizes[k]]`` for every k, back to back, into ``dst`` (uint8
     tensors; ``dst`` holds exactly ``sizes.sum()`` bytes), merged by :func:`merge_spans` unless the
     caller did (``merge=False``: no empty span, none that ends where the next begins). Many
-    spans go through one ``np.concatenate``: a fraction of the cost of a Python loop of slice copies."""
+    spans go through one ``np.concatenate``, or, when they are short (a few dozen elements: the rows of
+    a batch of many short rows), one ``np.take`` over an element index: either a fraction of the cost
+    of a Python loop of slice copies."""
     if len(sizes) > 1 and merge:
         _, starts, sizes = merge_spans(starts, sizes)
     if len(sizes) == 1:
         s = int(starts[0])
         dst.copy_(src[s : s + int(sizes[0])])
     elif len(sizes):
+        low = int(np.bitwise_or.reduce(starts) | np.bitwise_or.reduce(sizes))
+        word = next(w for w in _WORDS if low % w == 0)  # widest word every span is made of
+        if dst.numel() // word < _INDEX_BELOW * len(sizes):
+            _take(dst.numpy(), src.numpy(), starts // word, sizes // word, word)
+            return
         s_np = src.numpy()
         pieces = [s_np[s : s + m] for s, m in zip(starts.tolist(), sizes.tolist(), strict=True)]
         np.concatenate(pieces, out=dst.numpy())
+
+
+def _take(dst: np.ndarray, src: np.ndarray, starts: np.ndarray, sizes: np.ndarray, word: int) -> None:
+    """:func:`gather_bytes` by element index, in words of ``word`` bytes (``starts`` and ``sizes`` in
+    words), a block of at most ``_INDEX_BLOCK`` words (or one span) at a time."""
+    d = dst.view(_WORDS[word])
+    s = src[: src.size // word * word].view(_WORDS[word])
+    ends = np.cumsum(sizes)
+    lands = ends - sizes
+    i, n = 0, len(sizes)
+    while i < n:
+        j = max(i + 1, int(np.searchsorted(ends, lands[i] + _INDEX_BLOCK, side="right")))
+        at, upto = int(lands[i]), int(ends[j - 1])
+        idx = np.repeat(starts[i:j] - (lands[i:j] - at), sizes[i:j])
+        idx += np.arange(upto - at, dtype=np.int64)
+        np.take(s, idx, out=d[at:upto])
+        i = j

@@ -159,8 +159,8 @@ def test_fold_rewrite_tombstone_tags_and_gc() -> None:
     p3 = _put(["a", "b"], {"adv": DENSE})
     state = PartitionState.build([p3, p1, p2])
     _, _, res = state.resolve(["a", "b"], ["x", "t", "adv"])
-    assert [(p.put_id, i) for p, i in res["x"].locs] == [(p1.put_id, 0), (p2.put_id, 0)]
-    assert [(p.put_id, i) for p, i in res["t"].locs] == [(p1.put_id, 0), (p1.put_id, 1)]
+    assert [(p.put_id, i) for p, i in res["x"].locs()] == [(p1.put_id, 0), (p2.put_id, 0)]
+    assert [(p.put_id, i) for p, i in res["t"].locs()] == [(p1.put_id, 0), (p1.put_id, 1)]
     assert res["adv"].whole is p3
     assert state.listing() == {"a": {"r": 1}, "b": {"r": 2, "v": 3}}
     # clearing "a" keeps p1 (b still reads t from it) and needs a tombstone for a
@@ -190,7 +190,7 @@ def test_refresh_is_incremental_in_order_and_rebuilds_otherwise() -> None:
     assert s.refresh({p.put_id: p for p in (p1, p3)}) is s  # newer: folded in place
     rebuilt = s.refresh({p.put_id: p for p in (p1, p2, p3)})  # p2 older than p3: rebuild
     assert rebuilt is not s and set(rebuilt.rows) == {"a", "b"}
-    assert rebuilt.resolve(["a"], ["x"])[2]["x"].locs[0][0] is p3
+    assert rebuilt.resolve(["a"], ["x"])[2]["x"].locs()[0][0] is p3
 
 
 _ops = st.lists(
@@ -199,44 +199,66 @@ _ops = st.lists(
             st.just("put"),
             st.lists(st.sampled_from("abcde"), min_size=1, max_size=4, unique=True),
             st.lists(st.sampled_from(["x", "y", "z"]), min_size=1, max_size=3, unique=True),
+            st.booleans(),
         ),
-        st.tuples(st.just("del"), st.lists(st.sampled_from("abcde"), min_size=1, max_size=3, unique=True), st.just([])),
+        st.tuples(
+            st.just("del"),
+            st.lists(st.sampled_from("abcde"), min_size=1, max_size=3, unique=True),
+            st.just([]),
+            st.just(False),
+        ),
     ),
     max_size=25,
 )
 
 
 @given(ops=_ops)
-@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-def test_fold_and_gc_match_a_dict_model(ops: list[tuple[str, list[str], list[str]]]) -> None:
-    """Folding equals a plain model; removing what a clear plans to collect never changes a read."""
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+def test_fold_and_gc_match_a_dict_model(ops: list[tuple[str, list[str], list[str], bool]]) -> None:
+    """Folding equals a plain model (rows, fields, merged tags); removing what a clear plans to
+    collect never changes a read or a listing."""
     model: dict[str, dict[str, tuple[str, int]]] = {}
+    tags: dict[str, dict[str, int]] = {}
     puts: dict[str, PutIndex] = {}
-    for op, keys, fields in ops:
+
+    def check(state: PartitionState) -> None:
+        assert set(state.rows) == set(model)
+        assert state.listing() == {k: tags.get(k, {}) for k in model}
+        keys = sorted(model)
+        for f in ("x", "y", "z"):
+            held = [k for k in keys if f in model[k]]
+            if not held:
+                continue
+            _, missing, res = state.resolve(held, [f, "x", "y", "z"])
+            got = [(p.put_id, i) for p, i in res[f].locs()]
+            assert got == [model[k][f] for k in held]
+            one = {p for p, _ in got} == {got[0][0]} and len(got) == len(puts[got[0][0]].keys)
+            assert (res[f].whole is not None) == (one and [i for _, i in got] == list(range(len(got))))
+            for g in ("x", "y", "z"):
+                assert (g in missing) == any(g not in model[k] for k in held)
+
+    for op, keys, fields, tagged in ops:
         if op == "put":
-            p = _put(keys, dict.fromkeys(fields, DENSE), [{"n": i} for i in range(len(keys))])
+            row_tags = [{"n": i, "p": len(puts)} if (i + len(puts)) % 3 else {} for i in range(len(keys))]
+            p = _put(keys, dict.fromkeys(fields, DENSE), row_tags if tagged else None)
             puts[p.put_id] = p
             for i, k in enumerate(keys):
                 model.setdefault(k, {}).update({f: (p.put_id, i) for f in fields})
+                if tagged:
+                    tags.setdefault(k, {}).update(row_tags[i])
             continue
         state = PartitionState.build(puts.values())
         garbage, need = state.garbage_after_delete(keys)
         for k in keys:
             model.pop(k, None)
+            tags.pop(k, None)
         for g in garbage:
             puts.pop(g.put_id)
         if need:
             t = _del(keys)
             puts[t.put_id] = t
-        after = PartitionState.build(puts.values())
-        assert set(after.rows) == set(model)
-    state = PartitionState.build(puts.values())
-    assert set(state.rows) == set(model)
-    for k, row in model.items():
-        for f, want in row.items():
-            _, _, res = state.resolve([k], [f])
-            p, i = res[f].locs[0]
-            assert (p.put_id, i) == want
+        check(PartitionState.build(puts.values()))
+    check(PartitionState.build(puts.values()))
 
 
 def _http_server(answers: list[list[bytes]]) -> int:

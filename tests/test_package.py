@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dataplane
+from dataplane import hostcopy
 from dataplane._threads import Helper
 from dataplane.bufpool import BufferPool
 from dataplane.errors import BackendUnavailable, ClientClosed, InvalidArgument
@@ -158,12 +159,22 @@ def test_copy_bytes_is_exact_for_any_size_and_dtype(monkeypatch: pytest.MonkeyPa
         copy_bytes(torch.empty(3, dtype=torch.uint8), torch.empty(1, dtype=torch.float32))
 
 
-@given(spans=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 9)), max_size=40), merge=st.booleans())
-@settings(max_examples=300, deadline=None)
-def test_gather_bytes_matches_a_loop_of_slice_copies(spans: list[tuple[int, int]], merge: bool) -> None:
-    """Spans in any order, overlapping, adjacent (merged) or empty (dropped): the bytes are those of
-    a plain loop, and merging keeps exactly the same bytes in fewer spans."""
-    src = torch.randint(0, 256, (80,), dtype=torch.uint8)
+@given(
+    spans=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 9)), max_size=40),
+    merge=st.booleans(),
+    unit=st.sampled_from([1, 2, 3, 4, 8, 16]),
+    index=st.sampled_from([None, 0, 1 << 30]),
+    block=st.sampled_from([1, 5, 1 << 20]),
+)
+@settings(max_examples=400, deadline=None)
+def test_gather_bytes_matches_a_loop_of_slice_copies(
+    spans: list[tuple[int, int]], merge: bool, unit: int, index: int | None, block: int
+) -> None:
+    """Spans in any order, overlapping, adjacent (merged) or empty (dropped), of any byte multiple:
+    the bytes are those of a plain loop, by slices or by element index (in blocks of any size), and
+    merging keeps exactly the same bytes in fewer spans."""
+    spans = [(a * unit, m * unit) for a, m in spans]
+    src = torch.randint(0, 256, (80 * unit + 3,), dtype=torch.uint8)  # not a whole number of words
     starts = np.array([a for a, _ in spans], dtype=np.int64)
     sizes = np.array([m for _, m in spans], dtype=np.int64)
     want = torch.cat([src[a : a + m] for a, m in spans]) if spans else src[:0]
@@ -176,7 +187,14 @@ def test_gather_bytes_matches_a_loop_of_slice_copies(spans: list[tuple[int, int]
     if not merge:  # the caller promises merged spans
         starts, sizes = mstarts, msizes
     dst = torch.full((len(want),), 7, dtype=torch.uint8)
-    gather_bytes(dst, src, starts, sizes, merge=merge)
+    saved = hostcopy._INDEX_BELOW, hostcopy._INDEX_BLOCK
+    if index is not None:  # 0: always slices; huge: always the element index
+        hostcopy._INDEX_BELOW = index
+    hostcopy._INDEX_BLOCK = block
+    try:
+        gather_bytes(dst, src, starts, sizes, merge=merge)
+    finally:
+        hostcopy._INDEX_BELOW, hostcopy._INDEX_BLOCK = saved
     assert torch.equal(dst, want)
 
 

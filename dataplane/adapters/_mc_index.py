@@ -239,21 +239,23 @@ def decode_index(key: str, put_id: str, data: bytes) -> PutIndex:
         ) from e
 
 
-class _Row:
-    __slots__ = ("refs", "tags")
-
-    def __init__(self) -> None:
-        self.refs: list[tuple[PutIndex, int]] = []  # oldest first
-        self.tags: dict[str, Any] = {}
-
-
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class Resolved:
-    """Where each requested row of one field lives: (put, row index in that put)."""
+    """Where each requested row of one field lives: row ``j`` is row ``rows[j]`` of put
+    ``puts[which[j]]``. Fields resolved alike share ``which`` and ``rows`` (the same arrays)."""
 
     schema: FieldSchema
-    locs: list[tuple[PutIndex, int]]
+    puts: tuple[PutIndex, ...]  # the puts the rows come from, each once
+    which: np.ndarray  # int64 [rows]: index into ``puts``
+    rows: np.ndarray  # int64 [rows]: row index in that put
     whole: PutIndex | None = None  # set when the rows are exactly this put's rows, in its order
+
+    def locs(self) -> list[tuple[PutIndex, int]]:
+        """(put, row in it) per row: a readable form for tests and debugging."""
+        return [(self.puts[w], i) for w, i in zip(self.which.tolist(), self.rows.tolist(), strict=True)]
+
+
+_NONE = -1  # no put holds this field for this slot
 
 
 class PartitionState:
@@ -261,14 +263,23 @@ class PartitionState:
 
     Folding is incremental while new puts arrive in order (the usual case); anything else (a put
     that was in flight when a newer one was seen, or a removed put) rebuilds from scratch.
+
+    Rows are columns, not objects: each live key has a slot, and each field an array over slots of
+    the newest put holding it (by fold number) and the row in that put. A batch of 64K rows would
+    otherwise be 64K objects to allocate, for the garbage collector to walk again and again, and to
+    visit one by one on every get.
     """
 
     def __init__(self) -> None:
         self.puts: dict[str, PutIndex] = {}  # put_id -> index, every folded put and tombstone
         self.max_id = ""
-        self.rows: dict[str, _Row] = {}
+        self.rows: dict[str, int] = {}  # live key -> its slot (a removed key's slot is not reused)
         self.schema: dict[str, FieldSchema] = {}
         self.ignored: set[tuple[str, str]] = set()  # (put_id, field) that lost a schema race
+        self._folded: list[PutIndex] = []  # puts (not tombstones) by fold number
+        self._slots = 0  # slots handed out
+        self._newest: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # field -> (fold number, row) per slot
+        self._tagged: list[tuple[int, np.ndarray]] = []  # (fold number, slot of each row) of puts with tags
 
     @classmethod
     def build(cls, puts: Iterable[PutIndex]) -> PartitionState:
@@ -285,19 +296,46 @@ class PartitionState:
             for k in p.keys:
                 self.rows.pop(k, None)
             return
+        slots = self._slots_of(p.keys)
+        number = len(self._folded)
+        self._folded.append(p)
+        at = np.arange(len(p.keys), dtype=np.int64)
         for name, entry in p.fields.items():
             known = self.schema.get(name)
             if known is None:
                 self.schema[name] = entry.schema
             elif known != entry.schema:  # two writers raced on a new field: first put wins
                 self.ignored.add((p.put_id, name))
-        for i, k in enumerate(p.keys):
-            row = self.rows.get(k)
-            if row is None:
-                row = self.rows[k] = _Row()
-            row.refs.append((p, i))
-            if p.tags is not None:
-                row.tags.update(p.tags[i])
+                continue
+            put_no, row = self._field(name)
+            put_no[slots] = number
+            row[slots] = at
+        if p.tags is not None:
+            self._tagged.append((number, slots))
+
+    def _slots_of(self, keys: Sequence[str]) -> np.ndarray:
+        """The slot of each of ``keys`` (distinct), new keys getting new ones."""
+        get = self.rows.get
+        found = [get(k, _NONE) for k in keys]
+        slots = np.array(found, dtype=np.int64)
+        fresh = np.flatnonzero(slots == _NONE)
+        if len(fresh):
+            slots[fresh] = np.arange(self._slots, self._slots + len(fresh))
+            self._slots += len(fresh)
+            self.rows.update(zip([keys[i] for i in fresh.tolist()], slots[fresh].tolist(), strict=True))
+            have = len(next(iter(self._newest.values()))[0]) if self._newest else 0
+            if self._slots > have:  # grow every field's columns (doubling)
+                size = max(self._slots, 2 * have, 1024)
+                for name, (put_no, row) in self._newest.items():
+                    self._newest[name] = (_grown(put_no, size), _grown(row, size))
+        return slots
+
+    def _field(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        cols = self._newest.get(name)
+        if cols is None:
+            size = max(self._slots, len(next(iter(self._newest.values()))[0]) if self._newest else 1024)
+            cols = self._newest[name] = (np.full(size, _NONE, dtype=np.int64), np.zeros(size, dtype=np.int64))
+        return cols
 
     def refresh(self, current: Mapping[str, PutIndex]) -> PartitionState:
         """The state for exactly the puts in ``current`` (put_id -> index): self, updated in place
@@ -310,70 +348,82 @@ class PartitionState:
                 return self
         return PartitionState.build(current.values())
 
-    def _find(self, row: _Row, field: str) -> tuple[PutIndex, int] | None:
-        for p, i in reversed(row.refs):
-            if field in p.fields and (p.put_id, field) not in self.ignored:
-                return p, i
-        return None
-
     def resolve(
         self, keys: Sequence[str], fields: Sequence[str]
     ) -> tuple[list[str], dict[str, list[str]], dict[str, Resolved]]:
         """(missing keys, field -> keys missing it, field -> where each row lives)."""
-        found = [self.rows.get(k) for k in keys]
-        missing_keys = [k for k, row in zip(keys, found, strict=True) if row is None]
-        if missing_keys:
-            return missing_keys, {}, {}
-        rows = [row for row in found if row is not None]
-        # Common case: every row's newest put is one put P holding the field (one get after one put).
-        newest = [row.refs[-1] for row in rows]
-        first = newest[0][0]
-        shared = all(p is first for p, _ in newest)
-        whole = None
-        if shared and len(first.keys) == len(keys) and all(i == j for j, (_, i) in enumerate(newest)):
-            whole = first
+        get = self.rows.get
+        found = [get(k, _NONE) for k in keys]
+        slots = np.array(found, dtype=np.int64)
+        if (slots == _NONE).any():
+            return [k for k, s in zip(keys, found, strict=True) if s == _NONE], {}, {}
         out: dict[str, Resolved] = {}
         missing: dict[str, list[str]] = {}
+        alike: list[tuple[np.ndarray, Resolved]] = []  # fields resolved alike share one resolution's arrays
         for f in fields:
             schema = self.schema.get(f)
-            if schema is None:
+            cols = self._newest.get(f)
+            if schema is None or cols is None:
                 missing[f] = list(keys)
                 continue
-            if shared and f in first.fields and (first.put_id, f) not in self.ignored:
-                out[f] = Resolved(schema, newest, whole)
+            put_no, row = cols[0][slots], cols[1][slots]
+            if (put_no == _NONE).any():
+                missing[f] = [keys[j] for j in np.flatnonzero(put_no == _NONE).tolist()]
                 continue
-            locs: list[tuple[PutIndex, int]] = []
-            absent: list[str] = []
-            for k, row in zip(keys, rows, strict=True):
-                loc = self._find(row, f)
-                if loc is None:
-                    absent.append(k)
-                else:
-                    locs.append(loc)
-            if absent:
-                missing[f] = absent
-            else:
-                out[f] = Resolved(schema, locs)
+            same = next((r for n, r in alike if np.array_equal(n, put_no) and np.array_equal(r.rows, row)), None)
+            if same is None:
+                same = self._resolved(schema, put_no, row, len(keys))
+                alike.append((put_no, same))
+            out[f] = Resolved(schema, same.puts, same.which, same.rows, same.whole)
         return [], missing, out
 
+    def _resolved(self, schema: FieldSchema, put_no: np.ndarray, row: np.ndarray, n: int) -> Resolved:
+        first = int(put_no[0])
+        if (put_no == first).all():
+            p = self._folded[first]
+            whole = p if len(p.keys) == n and bool((row == np.arange(n)).all()) else None
+            return Resolved(schema, (p,), np.zeros(n, dtype=np.int64), row, whole)
+        numbers, which = np.unique(put_no, return_inverse=True)
+        return Resolved(schema, tuple(self._folded[i] for i in numbers.tolist()), which.reshape(-1), row)
+
     def listing(self) -> dict[str, dict[str, Any]]:
-        return {k: dict(row.tags) for k, row in self.rows.items()}
+        """Every live key with its tags (merged over the puts that wrote it, in order)."""
+        tags: dict[int, dict[str, Any]] = {}
+        for number, slots in self._tagged:
+            put_tags = self._folded[number].tags
+            assert put_tags is not None
+            for s, t in zip(slots.tolist(), put_tags, strict=True):
+                if t:
+                    mine = tags.get(s)
+                    if mine is None:
+                        tags[s] = dict(t)
+                    else:
+                        mine.update(t)
+        return {k: tags.get(s) or {} for k, s in self.rows.items()}
 
     def garbage_after_delete(self, doomed: Iterable[str]) -> tuple[list[PutIndex], bool]:
         """Plan a ``kv_clear(keys)``: the puts and tombstones nothing reads once ``doomed`` are gone,
         and whether a tombstone for ``doomed`` is still needed (some surviving put holds one of them).
+        A put stays live while it holds the newest value of a field, or tags, of a surviving row.
         """
         gone = set(doomed)
-        live: set[str] = set()
-        for k, row in self.rows.items():
-            if k in gone:
-                continue
-            seen: set[str] = set()
-            for p, i in reversed(row.refs):
-                fields = {f for f in p.fields if (p.put_id, f) not in self.ignored}
-                if (fields - seen) or (p.tags is not None and p.tags[i]):
-                    live.add(p.put_id)
-                seen |= fields
+        rows = self.rows
+        survivors = np.fromiter(
+            (s for k, s in rows.items() if k not in gone), np.int64, len(rows) - len(gone & rows.keys())
+        )
+        numbers: set[int] = set()
+        for put_no, _ in self._newest.values():
+            numbers.update(np.unique(put_no[survivors]).tolist())
+        alive = np.zeros(self._slots, dtype=bool)
+        alive[survivors] = True
+        for number, slots in self._tagged:
+            put_tags = self._folded[number].tags
+            assert put_tags is not None
+            if number not in numbers:
+                tagged = np.fromiter(map(bool, put_tags), bool, len(put_tags))
+                if (alive[slots] & tagged).any():
+                    numbers.add(number)
+        live = {self._folded[i].put_id for i in numbers if i != _NONE}
         garbage: list[PutIndex] = []
         live_puts = [self.puts[pid] for pid in live]
         for p in self.puts.values():
@@ -386,3 +436,9 @@ class PartitionState:
                 garbage.append(p)
         need_tombstone = any(not gone.isdisjoint(q.keys) for q in live_puts)
         return garbage, need_tombstone
+
+
+def _grown(a: np.ndarray, size: int) -> np.ndarray:
+    out = np.full(size, _NONE, dtype=a.dtype)
+    out[: len(a)] = a
+    return out

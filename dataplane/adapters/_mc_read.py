@@ -72,25 +72,23 @@ class Landing:
 # result buffer, staged object, runs (where each lands in the result, where it is in the object,
 # its size), stretches of runs that land back to back
 _Gather = tuple[torch.Tensor, torch.Tensor, tuple[np.ndarray, np.ndarray, np.ndarray], list[tuple[int, int]]]
-_Groups = list[tuple[PutIndex, np.ndarray]]
+# per put the rows come from: where its rows are in the get (None: all of them, in order) and
+# their indices in the put
+_Groups = list[tuple[PutIndex, np.ndarray | None, np.ndarray]]
 
 
-def _put_groups(locs: Sequence[tuple[PutIndex, int]]) -> _Groups:
-    """``locs`` as runs of consecutive rows from one put: (put, the rows' indices in it)."""
-    if not locs:
-        return []
-    first = locs[0][0]
-    if all(p is first for p, _ in locs):  # the usual case: one put
-        return [(first, np.fromiter((i for _, i in locs), np.int64, len(locs)))]
-    groups: list[tuple[PutIndex, list[int]]] = []
-    put: PutIndex | None = None
-    idx: list[int] = []
-    for p, i in locs:
-        if p is not put:
-            put, idx = p, []
-            groups.append((p, idx))
-        idx.append(i)
-    return [(p, np.array(i, dtype=np.int64)) for p, i in groups]
+def _put_groups(res: Resolved) -> _Groups:
+    """The rows of ``res`` grouped by the put they come from, vectorized (rows written back by
+    several ranks alternate between puts row by row)."""
+    if len(res.puts) == 1:
+        return [(res.puts[0], None, res.rows)]
+    order = np.argsort(res.which, kind="stable")
+    bounds = np.searchsorted(res.which[order], np.arange(len(res.puts) + 1)).tolist()
+    out: _Groups = []
+    for k, p in enumerate(res.puts):
+        at = order[bounds[k] : bounds[k + 1]]
+        out.append((p, at, res.rows[at]))
+    return out
 
 
 @dataclass(eq=False)
@@ -107,32 +105,31 @@ class _Spans:
     puts: list[tuple[PutIndex, np.ndarray, np.ndarray, np.ndarray, list[tuple[int, int]]]]
 
     @classmethod
-    def of(cls, groups: _Groups, field: str, jagged: bool) -> _Spans:
-        starts, sizes = [], []
-        for p, rows in groups:
+    def of(cls, groups: _Groups, field: str, jagged: bool, n: int) -> _Spans:
+        """The spans of ``n`` rows grouped by :func:`_put_groups`."""
+        parts = []
+        for p, at, rows in groups:
             offsets = p.fields[field].offsets
             if offsets is None:
-                starts.append(rows)
-                sizes.append(np.ones(len(rows), dtype=np.int64))
+                parts.append((at, rows, np.ones(len(rows), dtype=np.int64)))
             else:
                 first = offsets[rows]
-                starts.append(first)
-                sizes.append(offsets[rows + 1] - first)
-        every = np.concatenate(sizes) if len(sizes) > 1 else sizes[0] if sizes else np.zeros(0, dtype=np.int64)
+                parts.append((at, first, offsets[rows + 1] - first))
+        if len(parts) == 1:
+            every = parts[0][2]
+        else:
+            every = np.empty(n, dtype=np.int64)
+            for at, _, sz in parts:
+                every[at] = sz
         lands = np.cumsum(every) - every
         total = int(lands[-1] + every[-1]) if len(every) else 0
         out = None
         if jagged:
             out = torch.zeros(len(every) + 1, dtype=torch.int64)
             torch.cumsum(torch.from_numpy(every), 0, out=out[1:])
-        by_put: dict[str, tuple[PutIndex, list[tuple[np.ndarray, np.ndarray, np.ndarray]]]] = {}
-        at = 0
-        for (p, rows), st, sz in zip(groups, starts, sizes, strict=True):
-            by_put.setdefault(p.put_id, (p, []))[1].append((lands[at : at + len(rows)], st, sz))
-            at += len(rows)
         puts = []
-        for p, parts in by_put.values():
-            d, src, m = (np.concatenate(x) if len(parts) > 1 else x[0] for x in zip(*parts, strict=True))
+        for (p, _, _), (at, src, m) in zip(groups, parts, strict=True):
+            d = lands if at is None else lands[at]
             keep = m > 0
             d, src, m = d[keep], src[keep], m[keep]
             if not len(m):
@@ -188,19 +185,19 @@ class Reader:
             cols.update(self.columns_over(whole[fs[0]], fs, landing))
         out: dict[str, Column] = {}
         gathers: list[_Gather] = []
-        groups: dict[int, _Groups] = {}  # fields resolved alike share their locs (and these groups)
+        groups: dict[int, _Groups] = {}  # fields resolved alike share their rows (and these groups)
         spans: dict[tuple[int, ...], _Spans] = {}  # and, over the same offsets, their spans
         for field, res in resolved.items():
             if field in cols:
                 out[field] = cols[field]
                 continue
-            grouped = groups.get(id(res.locs))
+            grouped = groups.get(id(res.rows))
             if grouped is None:
-                grouped = groups[id(res.locs)] = _put_groups(res.locs)
-            like = (id(res.locs), *(id(p.fields[field].offsets) for p, _ in grouped))
+                grouped = groups[id(res.rows)] = _put_groups(res)
+            like = (id(res.rows), *(id(p.fields[field].offsets) for p in res.puts))
             field_spans = spans.get(like)
             if field_spans is None:
-                field_spans = spans[like] = _Spans.of(grouped, field, res.schema.kind != "dense")
+                field_spans = spans[like] = _Spans.of(grouped, field, res.schema.kind != "dense", len(res.rows))
             out[field], field_ops, field_gathers = self._plan_field(field, res, field_spans)
             ops += field_ops
             gathers += field_gathers
@@ -274,7 +271,7 @@ class Reader:
                 stage = self.pool.empty(nbytes)
                 ops.append(ReadOp(key, stage.data_ptr(), nbytes))
                 gathers.append((buf, stage, (d, src, m), stretches))
-        rows = len(res.locs) if spans.offsets is None else spans.total
+        rows = len(res.rows) if spans.offsets is None else spans.total
         values = schema.view_rows(buf, rows) if total else _empty(schema, rows)
         return Column(schema, values, spans.offsets), ops, gathers
 

@@ -277,14 +277,7 @@ class MooncakeStore(KVStore):
         free an object while it is read and a put may fill its space. Index objects go before the
         data objects they name (:meth:`_remove`), so an index still listed after the read means its
         data objects were there throughout."""
-        used = set()
-        seen: set[int] = set()  # fields resolved alike share one locs list: scan it once
-        for res in resolved.values():
-            if res.whole is not None:
-                used.add(res.whole.key)
-            elif id(res.locs) not in seen:
-                seen.add(id(res.locs))
-                used.update({id(p): p.key for p, _ in res.locs}.values())
+        used = {p.key for res in resolved.values() for p in res.puts}
         return used.issubset(lines)
 
     def _listing(self, deadline: float) -> list[str]:
@@ -634,7 +627,9 @@ class MooncakeStore(KVStore):
         """Whether every row of ``res`` is row j of put ``p`` at position j (what a whole read of it got)."""
         if res.whole is not None:
             return res.whole.put_id == p.put_id
-        return all(q.put_id == p.put_id and i == j for j, (q, i) in enumerate(res.locs))
+        if len(res.puts) != 1 or res.puts[0].put_id != p.put_id:
+            return False
+        return bool((res.rows == np.arange(len(res.rows))).all())
 
     @staticmethod
     def _names(hinted: PutIndex, fields: Sequence[str], ops: Sequence[ReadOp]) -> bool:
