@@ -11,9 +11,9 @@ names it, and lives until the last of them closes.
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, urlparse
@@ -85,46 +85,116 @@ class _Chunk:
         self.live = buf.shape[0] if offsets is None else offsets.numel() - 1
 
 
-class _Block:
-    """The columns of one put; rows refer to it by position."""
-
-    __slots__ = ("chunks",)
-
-    def __init__(self, chunks: dict[str, _Chunk]) -> None:
-        self.chunks = chunks
-
-
-class _Ref:
-    """Row ``idx`` of ``block``, for the fields of it this row still reads from there."""
-
-    __slots__ = ("block", "fields", "idx")
-
-    def __init__(self, block: _Block, idx: int, fields: frozenset[str]) -> None:
-        self.block = block
-        self.idx = idx
-        self.fields = fields
-
-
-class _Row:
-    __slots__ = ("refs", "tags")
-
-    def __init__(self) -> None:
-        self.refs: list[_Ref] = []  # oldest first; a field is read from the newest ref holding it
-        self.tags: dict[str, Any] = {}
-
-    def find(self, field: str) -> _Ref | None:
-        for ref in reversed(self.refs):
-            if field in ref.fields:
-                return ref
-        return None
+_NONE = -1  # no put holds this field for this slot
 
 
 class _Partition:
-    __slots__ = ("rows", "schema")
+    """Rows as columns, not objects: each live key has a slot, and each field an array over slots of
+    the put (block, by number) holding its newest value and the row in that put. A batch of 64K rows
+    would otherwise be 64K objects for the garbage collector to walk again and again, and to visit
+    one by one on every get and clear."""
+
+    __slots__ = ("blocks", "cols", "free", "next_block", "rows", "schema", "slots", "tagged")
 
     def __init__(self) -> None:
-        self.rows: dict[str, _Row] = {}
+        self.rows: dict[str, int] = {}  # live key -> slot
         self.schema: dict[str, FieldSchema] = {}
+        self.cols: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # field -> (block number, row) per slot
+        self.blocks: dict[int, dict[str, _Chunk]] = {}  # put (by number) -> its chunks some row still reads
+        self.next_block = 0
+        self.slots = 0  # slots handed out
+        self.free: list[int] = []  # slots of cleared keys, handed out again
+        self.tagged: list[tuple[np.ndarray, tuple[dict[str, Any], ...]]] = []  # (slot per row, tags) per put
+
+    def slots_of(self, keys: Sequence[str]) -> np.ndarray:
+        """The slot of each of ``keys`` (distinct), new keys getting free or new ones."""
+        get = self.rows.get
+        slots = np.array([get(k, _NONE) for k in keys], dtype=np.int64)
+        fresh = np.flatnonzero(slots == _NONE)
+        if len(fresh):
+            reuse = min(len(fresh), len(self.free))
+            taken = self.free[len(self.free) - reuse :]
+            del self.free[len(self.free) - reuse :]
+            new = np.concatenate(
+                (np.array(taken, dtype=np.int64), np.arange(self.slots, self.slots + len(fresh) - reuse))
+            )
+            self.slots += len(fresh) - reuse
+            slots[fresh] = new
+            self.rows.update(zip([keys[i] for i in fresh.tolist()], new.tolist(), strict=True))
+            for name, (chunk, row) in self.cols.items():
+                if len(chunk) < self.slots:  # grow every field's columns (doubling)
+                    self.cols[name] = (_grown(chunk, self.slots), _grown(row, self.slots))
+        return slots
+
+    def superseded(self, slots: np.ndarray, fields: Iterable[str]) -> list[tuple[_Chunk, int]]:
+        """The chunks rows ``slots`` read ``fields`` from, each with how many of those rows."""
+        out: list[tuple[_Chunk, int]] = []
+        for f in fields:
+            cols = self.cols.get(f)
+            if cols is not None and len(slots):
+                blocks = cols[0][slots]
+                numbers, counts = np.unique(blocks[blocks != _NONE], return_counts=True)
+                out += [(self.blocks[b][f], c) for b, c in zip(numbers.tolist(), counts.tolist(), strict=True)]
+        return out
+
+    def drop(self, slots: np.ndarray, fields: Iterable[str]) -> int:
+        """Rows ``slots`` no longer read ``fields``; returns the bytes of chunks no row reads any more."""
+        freed = 0
+        for f in fields:
+            cols = self.cols.get(f)
+            if cols is None or not len(slots):
+                continue
+            blocks = cols[0][slots]
+            numbers, counts = np.unique(blocks[blocks != _NONE], return_counts=True)
+            for b, n in zip(numbers.tolist(), counts.tolist(), strict=True):
+                chunks = self.blocks[b]
+                chunk = chunks[f]
+                chunk.live -= n
+                if chunk.live == 0:
+                    freed += chunk.nbytes
+                    del chunks[f]  # releases the buffer
+                    if not chunks:
+                        del self.blocks[b]
+            cols[0][slots] = _NONE
+        return freed
+
+    def forget(self, slots: np.ndarray) -> None:
+        """Cleared slots: their tags go, and they are handed out again."""
+        kept = []
+        for tslots, tags in self.tagged:
+            gone = np.isin(tslots, slots)
+            if gone.any():
+                tslots = np.where(gone, _NONE, tslots)
+            if (tslots != _NONE).any():
+                kept.append((tslots, tags))
+        self.tagged = kept
+        self.free += slots.tolist()
+
+    def listing(self) -> dict[str, dict[str, Any]]:
+        """Every live key with its tags (merged over the puts that wrote it, in order)."""
+        tags: dict[int, dict[str, Any]] = {}
+        for slots, put_tags in self.tagged:
+            for s, t in zip(slots.tolist(), put_tags, strict=True):
+                if t and s != _NONE:
+                    mine = tags.get(s)
+                    if mine is None:
+                        tags[s] = dict(t)
+                    else:
+                        mine.update(t)
+        return {k: tags.get(s) or {} for k, s in self.rows.items()}
+
+    def column(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        cols = self.cols.get(name)
+        if cols is None:
+            size = max(self.slots, 1024)
+            cols = self.cols[name] = (np.full(size, _NONE, dtype=np.int64), np.zeros(size, dtype=np.int64))
+        return cols
+
+
+def _grown(a: np.ndarray, need: int) -> np.ndarray:
+    out = np.full(max(need, 2 * len(a)), _NONE, dtype=a.dtype)
+    out[: len(a)] = a
+    return out
 
 
 def _stored_copy(col: Column, pool: BufferPool, offsets: dict[int, torch.Tensor]) -> _Chunk:
@@ -150,8 +220,7 @@ class _Rows:
     last: np.ndarray
 
     @classmethod
-    def of(cls, rows: list[int]) -> _Rows:
-        idx = np.array(rows, dtype=np.int64)
+    def of(cls, idx: np.ndarray) -> _Rows:
         if len(idx) and idx[-1] - idx[0] == len(idx) - 1 and (len(idx) < 3 or bool((np.diff(idx) == 1).all())):
             return cls(idx, idx[:1], idx[-1:])
         cut = np.flatnonzero(idx[1:] != idx[:-1] + 1) + 1
@@ -161,17 +230,11 @@ class _Rows:
 Piece = tuple[_Chunk, _Rows]  # rows of one put read from its chunk of a field
 
 
-def _block_rows(refs: list[_Ref]) -> list[tuple[_Block, _Rows]]:
-    """Group consecutive rows read from one put: each group is one vectorized gather per field."""
-    groups: list[tuple[_Block, list[int]]] = []
-    block: _Block | None = None
-    idx: list[int] = []
-    for ref in refs:
-        if ref.block is not block:
-            block, idx = ref.block, []
-            groups.append((block, idx))
-        idx.append(ref.idx)
-    return [(b, _Rows.of(i)) for b, i in groups]
+def _block_runs(blocks: np.ndarray, rows: np.ndarray) -> list[tuple[int, _Rows]]:
+    """Consecutive rows of a get read from one put (block number): one vectorized gather each."""
+    cut = (np.flatnonzero(blocks[1:] != blocks[:-1]) + 1).tolist()
+    bounds = [0, *cut, len(blocks)]
+    return [(int(blocks[a]), _Rows.of(rows[a:b])) for a, b in itertools.pairwise(bounds)]
 
 
 def _spans(schema: FieldSchema, chunk: _Chunk, rows: _Rows) -> tuple[np.ndarray, np.ndarray]:
@@ -286,8 +349,7 @@ class MemoryStore(KVStore):
                 "split the batch or raise capacity_bytes"
             )
         shared: dict[int, torch.Tensor] = {}
-        block = _Block({field: _stored_copy(col, self._pool, shared) for field, col in columns.items()})
-        written = frozenset(columns)
+        chunks = {field: _stored_copy(col, self._pool, shared) for field, col in columns.items()}
         self._acquire(timeout_s)
         try:
             part = self._parts.get(partition_id)
@@ -296,27 +358,16 @@ class MemoryStore(KVStore):
                 if field in known:
                     check_compatible(partition_id, field, known[field], col.schema)
             rows = part.rows if part is not None else {}
-            # (row, superseded ref, field) for every value this put replaces
-            replaced: list[tuple[_Row, _Ref, str]] = []
-            new_rows = 0
-            for k in keys:
-                row = rows.get(k)
-                if row is None:
-                    new_rows += 1
-                    continue
-                for field in written:
-                    old = row.find(field)
-                    if old is not None:
-                        replaced.append((row, old, field))
+            get = rows.get
+            held = np.array([s for s in (get(k) for k in keys) if s is not None], dtype=np.int64)
+            new_rows = len(keys) - len(held)
             if cfg.capacity_rows is not None and self._rows + new_rows > cfg.capacity_rows:
                 raise CapacityExceeded(
                     f"memory store holds {self._rows} of capacity_rows={cfg.capacity_rows} rows; "
                     f"this put adds {new_rows}. Clear consumed rows (kv_clear) or raise capacity_rows"
                 )
             if cfg.capacity_bytes is not None:
-                dropping = Counter(id(ref.block.chunks[f]) for _, ref, f in replaced)
-                by_id = {id(ref.block.chunks[f]): ref.block.chunks[f] for _, ref, f in replaced}
-                freed = sum(c.nbytes for cid, c in by_id.items() if dropping[cid] == c.live)
+                freed = 0 if part is None else sum(c.nbytes for c, n in part.superseded(held, columns) if n == c.live)
                 if self._bytes - freed + incoming > cfg.capacity_bytes:
                     raise CapacityExceeded(
                         f"memory store holds {self._bytes} of capacity_bytes={cfg.capacity_bytes} bytes; this put "
@@ -327,31 +378,23 @@ class MemoryStore(KVStore):
                 part = self._parts[partition_id] = _Partition()
             for field, col in columns.items():
                 part.schema.setdefault(field, col.schema)
-            for row, ref, field in replaced:
-                self._drop(row, ref, field)
-            for i, k in enumerate(keys):
-                row = part.rows.get(k)
-                if row is None:
-                    row = part.rows[k] = _Row()
-                row.refs.append(_Ref(block, i, written))
-                if tags is not None:
-                    row.tags.update(tags[i])
+            self._bytes -= part.drop(held, columns)
+            slots = part.slots_of(keys)
+            number = part.next_block
+            part.next_block += 1
+            part.blocks[number] = chunks
+            at = np.arange(len(keys), dtype=np.int64)
+            for field in columns:
+                block, row = part.column(field)
+                block[slots] = number
+                row[slots] = at
+            if tags is not None:
+                part.tagged.append((slots, tuple(dict(t) for t in tags)))
             self._rows += new_rows
-            self._bytes += sum(chunk.nbytes for chunk in block.chunks.values())
+            self._bytes += sum(chunk.nbytes for chunk in chunks.values())
         finally:
             self._lock.release()
         return None
-
-    def _drop(self, row: _Row, ref: _Ref, field: str) -> None:
-        """This row no longer reads ``field`` from ``ref``."""
-        chunk = ref.block.chunks[field]
-        chunk.live -= 1
-        if chunk.live == 0:
-            self._bytes -= chunk.nbytes
-            del ref.block.chunks[field]  # releases the buffer
-        ref.fields = ref.fields - {field}
-        if not ref.fields:
-            row.refs.remove(ref)
 
     def get(
         self,
@@ -362,37 +405,39 @@ class MemoryStore(KVStore):
         meta: KVBatchMeta | None,
         timeout_s: float,
     ) -> Mapping[str, Column]:
-        wanted = frozenset(fields)
         self._acquire(timeout_s)
         try:
             part = self._parts.get(partition_id)
-            rows = part.rows if part is not None else {}
-            missing_keys = [k for k in keys if k not in rows]
-            if missing_keys:
-                raise missing_rows_error(partition_id, missing_keys)
-            assert part is not None
-            # Common case: each row reads every wanted field from its newest put.
-            newest = [rows[k].refs[-1] for k in keys]
-            if all(wanted <= ref.fields for ref in newest):
-                per_field = dict.fromkeys(fields, newest)
-            else:
-                per_field, missing_fields = {}, {}
-                for f in fields:
-                    found = [rows[k].find(f) for k in keys]
-                    absent = [k for k, ref in zip(keys, found, strict=True) if ref is None]
-                    if absent:
-                        missing_fields[f] = absent
-                    per_field[f] = found  # type: ignore[assignment]
-                if missing_fields:
-                    raise missing_rows_error(partition_id, (), missing_fields)
-            schemas = {f: part.schema[f] for f in fields}
-            grouped: dict[int, list[tuple[_Block, _Rows]]] = {}
-            pieces: dict[str, list[Piece]] = {}
+            rows: dict[str, int] = part.rows if part is not None else {}
+            get = rows.get
+            found = [get(k, _NONE) for k in keys]
+            slots = np.array(found, dtype=np.int64)
+            if part is None or (slots == _NONE).any():
+                raise missing_rows_error(partition_id, [k for k, s in zip(keys, found, strict=True) if s == _NONE])
+            per_field: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+            missing_fields: dict[str, list[str]] = {}
             for f in fields:
-                refs = per_field[f]
-                if id(refs) not in grouped:  # the common case groups once for every field
-                    grouped[id(refs)] = _block_rows(refs)
-                pieces[f] = [(block.chunks[f], rows) for block, rows in grouped[id(refs)]]
+                cols = part.cols.get(f)
+                if cols is None:
+                    missing_fields[f] = list(keys)
+                    continue
+                blocks = cols[0][slots]
+                absent = np.flatnonzero(blocks == _NONE)
+                if len(absent):
+                    missing_fields[f] = [keys[j] for j in absent.tolist()]
+                per_field[f] = (blocks, cols[1][slots])
+            if missing_fields:
+                raise missing_rows_error(partition_id, (), missing_fields)
+            schemas = {f: part.schema[f] for f in fields}
+            alike: list[tuple[np.ndarray, np.ndarray, list[tuple[int, _Rows]]]] = []
+            pieces: dict[str, list[Piece]] = {}
+            for f in fields:  # fields read alike (the common case: all of them) group their rows once
+                blocks, idx = per_field[f]
+                runs = next((r for b, i, r in alike if np.array_equal(b, blocks) and np.array_equal(i, idx)), None)
+                if runs is None:
+                    runs = _block_runs(blocks, idx)
+                    alike.append((blocks, idx, runs))
+                pieces[f] = [(part.blocks[b][f], rows) for b, rows in runs]
         finally:
             self._lock.release()
         # Copy outside the lock: a stored buffer is never written after its put publishes it, and
@@ -405,12 +450,10 @@ class MemoryStore(KVStore):
             part = self._parts.get(partition_id)
             if part is None:
                 return
-            doomed = list(part.rows) if keys is None else [k for k in keys if k in part.rows]
-            for k in doomed:
-                row = part.rows.pop(k)
-                for ref in list(row.refs):
-                    for field in ref.fields:
-                        self._drop(row, ref, field)
+            doomed = list(part.rows) if keys is None else [k for k in dict.fromkeys(keys) if k in part.rows]
+            slots = np.array([part.rows.pop(k) for k in doomed], dtype=np.int64)
+            self._bytes -= part.drop(slots, list(part.cols))
+            part.forget(slots)
             self._rows -= len(doomed)
             if not part.rows:
                 del self._parts[partition_id]
@@ -421,11 +464,7 @@ class MemoryStore(KVStore):
         self._acquire(timeout_s)
         try:
             pids = [partition_id] if partition_id is not None else list(self._parts)
-            return {
-                pid: {k: dict(row.tags) for k, row in self._parts[pid].rows.items()}
-                for pid in pids
-                if pid in self._parts
-            }
+            return {pid: self._parts[pid].listing() for pid in pids if pid in self._parts}
         finally:
             self._lock.release()
 
