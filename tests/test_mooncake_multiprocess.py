@@ -18,7 +18,7 @@ import torch
 
 import dataplane
 from dataplane.adapters._mooncake_procs import _pid_alive
-from dataplane.errors import BackendUnavailable, DataPlaneError, KeyNotFound
+from dataplane.errors import BackendUnavailable, CapacityExceeded, DataPlaneError, KeyNotFound
 from dataplane.store import StoreClient
 from dataplane.testing.strategies import bit_exact
 
@@ -142,7 +142,9 @@ def _churn_row(version: int, i: int, scale: int) -> torch.Tensor:
 
 
 def _churn_writer(url: str, first: int, seconds: float, scale: int, conn: Connection) -> None:
-    """Rewrite random subsets of the keys (both fields, or ``x`` alone) until ``seconds`` pass."""
+    """Rewrite random subsets of the keys (both fields, or ``x`` alone) until ``seconds`` pass. A
+    full store (two writers of long rows outrunning a clearer on a loaded host) pushes back with
+    ``CapacityExceeded``; the writer waits a little and goes on, as a rollout worker would."""
     import random
 
     rng, n, version = random.Random(first), 0, first
@@ -157,7 +159,11 @@ def _churn_writer(url: str, first: int, seconds: float, scale: int, conn: Connec
             }
             if rng.random() < 0.7:
                 fields["y"] = torch.tensor([version * 1000 + i for i in ids])
-            c.kv_batch_put(keys, fields, partition_id="churn")
+            try:
+                c.kv_batch_put(keys, fields, partition_id="churn")
+            except CapacityExceeded:
+                time.sleep(0.05)
+                continue
             n += 1
     conn.send(n)
 
