@@ -29,6 +29,7 @@ from urllib.parse import quote, unquote
 import msgpack
 import numpy as np
 
+from dataplane.adapters._slots import NONE, grown, merged_tags
 from dataplane.errors import BackendUnavailable, InvalidArgument, SchemaError
 from dataplane.schema import FieldSchema
 
@@ -255,9 +256,6 @@ class Resolved:
         return [(self.puts[w], i) for w, i in zip(self.which.tolist(), self.rows.tolist(), strict=True)]
 
 
-_NONE = -1  # no put holds this field for this slot
-
-
 class PartitionState:
     """Keys, fields, tags and schema of one partition, folded from its index objects in put order.
 
@@ -316,9 +314,9 @@ class PartitionState:
     def _slots_of(self, keys: Sequence[str]) -> np.ndarray:
         """The slot of each of ``keys`` (distinct), new keys getting new ones."""
         get = self.rows.get
-        found = [get(k, _NONE) for k in keys]
+        found = [get(k, NONE) for k in keys]
         slots = np.array(found, dtype=np.int64)
-        fresh = np.flatnonzero(slots == _NONE)
+        fresh = np.flatnonzero(slots == NONE)
         if len(fresh):
             slots[fresh] = np.arange(self._slots, self._slots + len(fresh))
             self._slots += len(fresh)
@@ -327,14 +325,14 @@ class PartitionState:
             if self._slots > have:  # grow every field's columns (doubling)
                 size = max(self._slots, 2 * have, 1024)
                 for name, (put_no, row) in self._newest.items():
-                    self._newest[name] = (_grown(put_no, size), _grown(row, size))
+                    self._newest[name] = (grown(put_no, size), grown(row, size))
         return slots
 
     def _field(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         cols = self._newest.get(name)
         if cols is None:
             size = max(self._slots, len(next(iter(self._newest.values()))[0]) if self._newest else 1024)
-            cols = self._newest[name] = (np.full(size, _NONE, dtype=np.int64), np.zeros(size, dtype=np.int64))
+            cols = self._newest[name] = (np.full(size, NONE, dtype=np.int64), np.zeros(size, dtype=np.int64))
         return cols
 
     def refresh(self, current: Mapping[str, PutIndex]) -> PartitionState:
@@ -353,10 +351,10 @@ class PartitionState:
     ) -> tuple[list[str], dict[str, list[str]], dict[str, Resolved]]:
         """(missing keys, field -> keys missing it, field -> where each row lives)."""
         get = self.rows.get
-        found = [get(k, _NONE) for k in keys]
+        found = [get(k, NONE) for k in keys]
         slots = np.array(found, dtype=np.int64)
-        if (slots == _NONE).any():
-            return [k for k, s in zip(keys, found, strict=True) if s == _NONE], {}, {}
+        if (slots == NONE).any():
+            return [k for k, s in zip(keys, found, strict=True) if s == NONE], {}, {}
         out: dict[str, Resolved] = {}
         missing: dict[str, list[str]] = {}
         alike: list[tuple[np.ndarray, Resolved]] = []  # fields resolved alike share one resolution's arrays
@@ -367,8 +365,8 @@ class PartitionState:
                 missing[f] = list(keys)
                 continue
             put_no, row = cols[0][slots], cols[1][slots]
-            if (put_no == _NONE).any():
-                missing[f] = [keys[j] for j in np.flatnonzero(put_no == _NONE).tolist()]
+            if (put_no == NONE).any():
+                missing[f] = [keys[j] for j in np.flatnonzero(put_no == NONE).tolist()]
                 continue
             same = next((r for n, r in alike if np.array_equal(n, put_no) and np.array_equal(r.rows, row)), None)
             if same is None:
@@ -388,18 +386,7 @@ class PartitionState:
 
     def listing(self) -> dict[str, dict[str, Any]]:
         """Every live key with its tags (merged over the puts that wrote it, in order)."""
-        tags: dict[int, dict[str, Any]] = {}
-        for number, slots in self._tagged:
-            put_tags = self._folded[number].tags
-            assert put_tags is not None
-            for s, t in zip(slots.tolist(), put_tags, strict=True):
-                if t:
-                    mine = tags.get(s)
-                    if mine is None:
-                        tags[s] = dict(t)
-                    else:
-                        mine.update(t)
-        return {k: tags.get(s) or {} for k, s in self.rows.items()}
+        return merged_tags(((slots, self._folded[n].tags or ()) for n, slots in self._tagged), self.rows)
 
     def garbage_after_delete(self, doomed: Iterable[str]) -> tuple[list[PutIndex], bool]:
         """Plan a ``kv_clear(keys)``: the puts and tombstones nothing reads once ``doomed`` are gone,
@@ -423,7 +410,7 @@ class PartitionState:
                 tagged = np.fromiter(map(bool, put_tags), bool, len(put_tags))
                 if (alive[slots] & tagged).any():
                     numbers.add(number)
-        live = {self._folded[i].put_id for i in numbers if i != _NONE}
+        live = {self._folded[i].put_id for i in numbers if i != NONE}
         garbage: list[PutIndex] = []
         live_puts = [self.puts[pid] for pid in live]
         for p in self.puts.values():
@@ -436,9 +423,3 @@ class PartitionState:
                 garbage.append(p)
         need_tombstone = any(not gone.isdisjoint(q.keys) for q in live_puts)
         return garbage, need_tombstone
-
-
-def _grown(a: np.ndarray, size: int) -> np.ndarray:
-    out = np.full(size, _NONE, dtype=a.dtype)
-    out[: len(a)] = a
-    return out

@@ -21,6 +21,7 @@ from urllib.parse import parse_qs, urlparse
 import numpy as np
 import torch
 
+from dataplane.adapters._slots import NONE, grown, merged_tags
 from dataplane.bufpool import BufferPool, default_pool
 from dataplane.client import Capabilities, Listing
 from dataplane.codec.jagged import offsets_from_lengths
@@ -85,9 +86,6 @@ class _Chunk:
         self.live = buf.shape[0] if offsets is None else offsets.numel() - 1
 
 
-_NONE = -1  # no put holds this field for this slot
-
-
 class _Partition:
     """Rows as columns, not objects: each live key has a slot, and each field an array over slots of
     the put (block, by number) holding its newest value and the row in that put. A batch of 64K rows
@@ -109,8 +107,8 @@ class _Partition:
     def slots_of(self, keys: Sequence[str]) -> np.ndarray:
         """The slot of each of ``keys`` (distinct), new keys getting free or new ones."""
         get = self.rows.get
-        slots = np.array([get(k, _NONE) for k in keys], dtype=np.int64)
-        fresh = np.flatnonzero(slots == _NONE)
+        slots = np.array([get(k, NONE) for k in keys], dtype=np.int64)
+        fresh = np.flatnonzero(slots == NONE)
         if len(fresh):
             reuse = min(len(fresh), len(self.free))
             taken = self.free[len(self.free) - reuse :]
@@ -123,7 +121,10 @@ class _Partition:
             self.rows.update(zip([keys[i] for i in fresh.tolist()], new.tolist(), strict=True))
             for name, (chunk, row) in self.cols.items():
                 if len(chunk) < self.slots:  # grow every field's columns (doubling)
-                    self.cols[name] = (_grown(chunk, self.slots), _grown(row, self.slots))
+                    self.cols[name] = (
+                        grown(chunk, max(self.slots, 2 * len(chunk))),
+                        grown(row, max(self.slots, 2 * len(row))),
+                    )
         return slots
 
     def superseded(self, slots: np.ndarray, fields: Iterable[str]) -> list[tuple[_Chunk, int]]:
@@ -133,7 +134,7 @@ class _Partition:
             cols = self.cols.get(f)
             if cols is not None and len(slots):
                 blocks = cols[0][slots]
-                numbers, counts = np.unique(blocks[blocks != _NONE], return_counts=True)
+                numbers, counts = np.unique(blocks[blocks != NONE], return_counts=True)
                 out += [(self.blocks[b][f], c) for b, c in zip(numbers.tolist(), counts.tolist(), strict=True)]
         return out
 
@@ -145,7 +146,7 @@ class _Partition:
             if cols is None or not len(slots):
                 continue
             blocks = cols[0][slots]
-            numbers, counts = np.unique(blocks[blocks != _NONE], return_counts=True)
+            numbers, counts = np.unique(blocks[blocks != NONE], return_counts=True)
             for b, n in zip(numbers.tolist(), counts.tolist(), strict=True):
                 chunks = self.blocks[b]
                 chunk = chunks[f]
@@ -155,7 +156,7 @@ class _Partition:
                     del chunks[f]  # releases the buffer
                     if not chunks:
                         del self.blocks[b]
-            cols[0][slots] = _NONE
+            cols[0][slots] = NONE
         return freed
 
     def forget(self, slots: np.ndarray) -> None:
@@ -164,37 +165,22 @@ class _Partition:
         for tslots, tags in self.tagged:
             gone = np.isin(tslots, slots)
             if gone.any():
-                tslots = np.where(gone, _NONE, tslots)
-            if (tslots != _NONE).any():
+                tslots = np.where(gone, NONE, tslots)
+            if (tslots != NONE).any():
                 kept.append((tslots, tags))
         self.tagged = kept
         self.free += slots.tolist()
 
     def listing(self) -> dict[str, dict[str, Any]]:
         """Every live key with its tags (merged over the puts that wrote it, in order)."""
-        tags: dict[int, dict[str, Any]] = {}
-        for slots, put_tags in self.tagged:
-            for s, t in zip(slots.tolist(), put_tags, strict=True):
-                if t and s != _NONE:
-                    mine = tags.get(s)
-                    if mine is None:
-                        tags[s] = dict(t)
-                    else:
-                        mine.update(t)
-        return {k: tags.get(s) or {} for k, s in self.rows.items()}
+        return merged_tags(self.tagged, self.rows)
 
     def column(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         cols = self.cols.get(name)
         if cols is None:
             size = max(self.slots, 1024)
-            cols = self.cols[name] = (np.full(size, _NONE, dtype=np.int64), np.zeros(size, dtype=np.int64))
+            cols = self.cols[name] = (np.full(size, NONE, dtype=np.int64), np.zeros(size, dtype=np.int64))
         return cols
-
-
-def _grown(a: np.ndarray, need: int) -> np.ndarray:
-    out = np.full(max(need, 2 * len(a)), _NONE, dtype=a.dtype)
-    out[: len(a)] = a
-    return out
 
 
 def _stored_copy(col: Column, pool: BufferPool, offsets: dict[int, torch.Tensor]) -> _Chunk:
@@ -410,10 +396,10 @@ class MemoryStore(KVStore):
             part = self._parts.get(partition_id)
             rows: dict[str, int] = part.rows if part is not None else {}
             get = rows.get
-            found = [get(k, _NONE) for k in keys]
+            found = [get(k, NONE) for k in keys]
             slots = np.array(found, dtype=np.int64)
-            if part is None or (slots == _NONE).any():
-                raise missing_rows_error(partition_id, [k for k, s in zip(keys, found, strict=True) if s == _NONE])
+            if part is None or (slots == NONE).any():
+                raise missing_rows_error(partition_id, [k for k, s in zip(keys, found, strict=True) if s == NONE])
             per_field: dict[str, tuple[np.ndarray, np.ndarray]] = {}
             missing_fields: dict[str, list[str]] = {}
             for f in fields:
@@ -422,7 +408,7 @@ class MemoryStore(KVStore):
                     missing_fields[f] = list(keys)
                     continue
                 blocks = cols[0][slots]
-                absent = np.flatnonzero(blocks == _NONE)
+                absent = np.flatnonzero(blocks == NONE)
                 if len(absent):
                     missing_fields[f] = [keys[j] for j in absent.tolist()]
                 per_field[f] = (blocks, cols[1][slots])

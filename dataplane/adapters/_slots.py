@@ -1,0 +1,37 @@
+"""Rows as columns: helpers shared by the stores that keep a partition's rows as slots (one per live
+key) and per field arrays over slots, instead of one Python object per row."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["NONE", "grown", "merged_tags"]
+
+NONE = -1  # no put holds this field for this slot (or: a dead slot)
+
+
+def grown(a: np.ndarray, size: int) -> np.ndarray:
+    """``a`` extended to ``size`` entries, the new ones ``NONE``."""
+    out = np.full(size, NONE, dtype=a.dtype)
+    out[: len(a)] = a
+    return out
+
+
+def merged_tags(
+    tagged: Iterable[tuple[np.ndarray, Sequence[Mapping[str, Any]]]], rows: Mapping[str, int]
+) -> dict[str, dict[str, Any]]:
+    """Every key of ``rows`` (key -> slot) with its tags: the tags of each put (slot of each of its
+    rows, their tags), merged in put order; slots ``NONE`` are skipped."""
+    tags: dict[int, dict[str, Any]] = {}
+    for slots, put_tags in tagged:
+        for s, t in zip(slots.tolist(), put_tags, strict=True):
+            if t and s != NONE:
+                mine = tags.get(s)
+                if mine is None:
+                    tags[s] = dict(t)
+                else:
+                    mine.update(t)
+    return {k: tags.get(s) or {} for k, s in rows.items()}
