@@ -11,12 +11,14 @@ when idle.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
 from dataplane._threads import LazyPool, usable_cpus
 
-__all__ = ["copy_bytes", "gather_bytes", "merge_spans"]
+__all__ = ["copy_bytes", "copy_spans", "gather_bytes"]
 
 _SPLIT_MIN = 4 << 20  # copies from this size on are split; each piece is at least this large
 _MAX_THREADS = 4  # memory-bound: a few threads reach the host's copy bandwidth
@@ -29,6 +31,9 @@ _HELPERS = LazyPool(_MAX_THREADS - 1, "dataplane-copy")
 # (2-core VM: 32K spans of 20 elements 10.6 -> 1.2 ms; of 300, slices win 0.6 against 0.9 ms).
 _INDEX_BELOW = 100
 _INDEX_BLOCK = 1 << 20  # elements per index block (8 MB of int64 indices at most)
+# Short spans go by element index only when there are this many per source: each source costs a few
+# numpy calls (~10 us), which thousands of single-row sources (rows put one at a time) would not repay.
+_SPANS_PER_SOURCE = 16
 _WORDS = {8: np.uint64, 4: np.uint32, 2: np.uint16, 1: np.uint8}
 
 
@@ -60,58 +65,103 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
             f.result()
 
 
-def merge_spans(starts: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Spans ``[starts[k], starts[k] + sizes[k])`` laid back to back, merged where one ends where the
-    next begins: (where each merged span lands in the back-to-back layout, its start, its size).
-    Empty spans are dropped. One vectorized pass: a get of a data-parallel rank's rows has one span
-    per row, thousands of them."""
-    keep = sizes > 0
-    lands = (np.cumsum(sizes) - sizes)[keep]
-    starts, sizes = starts[keep], sizes[keep]
-    if len(sizes) <= 1:
-        return lands, starts, sizes
-    cut = np.flatnonzero(starts[1:] != starts[:-1] + sizes[:-1]) + 1
-    first = np.concatenate((np.zeros(1, dtype=np.int64), cut))
-    return lands[first], starts[first], np.add.reduceat(sizes, first)
-
-
-def gather_bytes(
-    dst: torch.Tensor, src: torch.Tensor, starts: np.ndarray, sizes: np.ndarray, *, merge: bool = True
+def copy_spans(
+    dst: torch.Tensor,
+    srcs: Sequence[torch.Tensor],
+    which: np.ndarray | None,
+    lands: np.ndarray,
+    starts: np.ndarray,
+    sizes: np.ndarray,
 ) -> None:
-    """Copy ``src[starts[k] : starts[k] + sizes[k]]`` for every k, back to back, into ``dst`` (uint8
-    tensors; ``dst`` holds exactly ``sizes.sum()`` bytes), merged by :func:`merge_spans` unless the
-    caller did (``merge=False``: no empty span, none that ends where the next begins). Many
-    spans go through one ``np.concatenate``, or, when they are short (a few dozen elements: the rows of
-    a batch of many short rows), one ``np.take`` over an element index: either a fraction of the cost
-    of a Python loop of slice copies."""
-    if len(sizes) > 1 and merge:
-        _, starts, sizes = merge_spans(starts, sizes)
-    if len(sizes) == 1:
-        s = int(starts[0])
-        dst.copy_(src[s : s + int(sizes[0])])
-    elif len(sizes):
-        low = int(np.bitwise_or.reduce(starts) | np.bitwise_or.reduce(sizes))
-        word = next(w for w in _WORDS if low % w == 0)  # widest word every span is made of
-        if dst.numel() // word < _INDEX_BELOW * len(sizes):
-            _take(dst.numpy(), src.numpy(), starts // word, sizes // word, word)
+    """Copy ``srcs[which[k]][starts[k] : starts[k] + sizes[k]]`` to ``dst[lands[k] : lands[k] + sizes[k]]``
+    for every k (uint8 tensors; ``which`` None: every span is in ``srcs[0]``). The spans land apart
+    from each other, in any order; empty ones are skipped, and neighbours contiguous in both ``dst``
+    and one source are merged.
+
+    Rows written back by several data-parallel ranks alternate between sources row by row, so a
+    get's spans are many and short: a slice copies one at ~0.3 us whatever its size, so short spans
+    instead go by an element index, one ``np.take`` per source (and block of ``_INDEX_BLOCK`` words),
+    scattered with one indexed assignment where they do not land back to back. Long spans, or short
+    ones from nearly as many sources, go as slices: one ``np.concatenate`` per stretch landing back
+    to back."""
+    keep = sizes > 0
+    if not keep.all():
+        lands, starts, sizes = lands[keep], starts[keep], sizes[keep]
+        which = None if which is None else which[keep]
+    if len(sizes) > 1:
+        joined = (lands[1:] == lands[:-1] + sizes[:-1]) & (starts[1:] == starts[:-1] + sizes[:-1])
+        if which is not None:
+            joined &= which[1:] == which[:-1]
+        if joined.any():
+            head = np.concatenate((np.zeros(1, dtype=np.int64), np.flatnonzero(~joined) + 1))
+            lands, starts, sizes = lands[head], starts[head], np.add.reduceat(sizes, head)
+            which = None if which is None else which[head]
+    n = len(sizes)
+    if n == 1:
+        a, s, m = int(lands[0]), int(starts[0]), int(sizes[0])
+        dst[a : a + m].copy_(srcs[0 if which is None else int(which[0])][s : s + m])
+        return
+    if not n:
+        return
+    low = int(np.bitwise_or.reduce(lands) | np.bitwise_or.reduce(starts) | np.bitwise_or.reduce(sizes))
+    word = next(w for w in _WORDS if low % w == 0)  # widest word every span is made of
+    sources = 1 if which is None else len(srcs)
+    if int(sizes.sum()) // word < _INDEX_BELOW * n and n >= _SPANS_PER_SOURCE * sources:
+        d = dst.numpy()
+        d = d[: d.size // word * word].view(_WORDS[word])
+        if which is None:
+            _take(d, _words(srcs[0], word), lands // word, starts // word, sizes // word)
             return
-        s_np = src.numpy()
-        pieces = [s_np[s : s + m] for s, m in zip(starts.tolist(), sizes.tolist(), strict=True)]
-        np.concatenate(pieces, out=dst.numpy())
+        order = np.argsort(which, kind="stable")
+        bounds = np.searchsorted(which[order], np.arange(sources + 1)).tolist()
+        for k in range(sources):
+            at = order[bounds[k] : bounds[k + 1]]
+            if len(at):
+                _take(d, _words(srcs[k], word), lands[at] // word, starts[at] // word, sizes[at] // word)
+        return
+    if (lands[1:] < lands[:-1]).any():
+        order = np.argsort(lands, kind="stable")
+        lands, starts, sizes = lands[order], starts[order], sizes[order]
+        which = None if which is None else which[order]
+    d, s_np = dst.numpy(), [s.numpy() for s in srcs]
+    cut = (np.flatnonzero(lands[1:] != lands[:-1] + sizes[:-1]) + 1).tolist()
+    ws = [0] * n if which is None else which.tolist()
+    ss, ms = starts.tolist(), sizes.tolist()
+    for lo, hi in zip([0, *cut], [*cut, n], strict=True):
+        a = int(lands[lo])
+        pieces = [s_np[w][s : s + m] for w, s, m in zip(ws[lo:hi], ss[lo:hi], ms[lo:hi], strict=True)]
+        np.concatenate(pieces, out=d[a : a + sum(ms[lo:hi])])
 
 
-def _take(dst: np.ndarray, src: np.ndarray, starts: np.ndarray, sizes: np.ndarray, word: int) -> None:
-    """:func:`gather_bytes` by element index, in words of ``word`` bytes (``starts`` and ``sizes`` in
-    words), a block of at most ``_INDEX_BLOCK`` words (or one span) at a time."""
-    d = dst.view(_WORDS[word])
-    s = src[: src.size // word * word].view(_WORDS[word])
+def gather_bytes(dst: torch.Tensor, src: torch.Tensor, starts: np.ndarray, sizes: np.ndarray) -> None:
+    """Copy ``src[starts[k] : starts[k] + sizes[k]]`` for every k, back to back, into ``dst`` (uint8
+    tensors; ``dst`` holds exactly ``sizes.sum()`` bytes): :func:`copy_spans` from one source."""
+    copy_spans(dst, [src], None, np.cumsum(sizes) - sizes, starts, sizes)
+
+
+def _words(t: torch.Tensor, word: int) -> np.ndarray:
+    b = t.numpy()
+    return b[: b.size // word * word].view(_WORDS[word])
+
+
+def _take(d: np.ndarray, s: np.ndarray, lands: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> None:
+    """Copy spans by element index (all in words), a block of at most ``_INDEX_BLOCK`` words (or one
+    span) at a time: into ``d`` directly where a block's spans land back to back, else scattered."""
     ends = np.cumsum(sizes)
-    lands = ends - sizes
+    rel = ends - sizes  # where each span starts among the ones copied
     i, n = 0, len(sizes)
     while i < n:
-        j = max(i + 1, int(np.searchsorted(ends, lands[i] + _INDEX_BLOCK, side="right")))
-        at, upto = int(lands[i]), int(ends[j - 1])
-        idx = np.repeat(starts[i:j] - (lands[i:j] - at), sizes[i:j])
-        idx += np.arange(upto - at, dtype=np.int64)
-        np.take(s, idx, out=d[at:upto])
+        j = max(i + 1, int(np.searchsorted(ends, rel[i] + _INDEX_BLOCK, side="right")))
+        base, upto = int(rel[i]), int(ends[j - 1])
+        shift = rel[i:j] - base
+        pos = np.arange(upto - base, dtype=np.int64)
+        idx = np.repeat(starts[i:j] - shift, sizes[i:j])
+        idx += pos
+        to = lands[i:j] - shift
+        if (to == to[0]).all():  # lands back to back: take straight into place
+            np.take(s, idx, out=d[int(to[0]) : int(to[0]) + len(pos)])
+        else:
+            at = np.repeat(to, sizes[i:j])
+            at += pos
+            d[at] = np.take(s, idx)
         i = j

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import random
 import subprocess
 import sys
 import threading
@@ -18,7 +19,7 @@ from dataplane import hostcopy
 from dataplane._threads import Helper
 from dataplane.bufpool import BufferPool
 from dataplane.errors import BackendUnavailable, ClientClosed, InvalidArgument
-from dataplane.hostcopy import copy_bytes, gather_bytes, merge_spans
+from dataplane.hostcopy import copy_bytes, copy_spans, gather_bytes
 from dataplane.observability import CallEvent, ObservedClient
 from dataplane.registry import AdapterSpec
 
@@ -160,42 +161,64 @@ def test_copy_bytes_is_exact_for_any_size_and_dtype(monkeypatch: pytest.MonkeyPa
 
 
 @given(
-    spans=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 9)), max_size=40),
-    merge=st.booleans(),
+    spans=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 60), st.integers(0, 9), st.integers(0, 2)), max_size=40),
+    sources=st.integers(1, 3),
+    shuffle=st.randoms(use_true_random=False),
     unit=st.sampled_from([1, 2, 3, 4, 8, 16]),
     index=st.sampled_from([None, 0, 1 << 30]),
     block=st.sampled_from([1, 5, 1 << 20]),
 )
 @settings(max_examples=400, deadline=None)
-def test_gather_bytes_matches_a_loop_of_slice_copies(
-    spans: list[tuple[int, int]], merge: bool, unit: int, index: int | None, block: int
+def test_copy_spans_matches_a_loop_of_slice_copies(
+    spans: list[tuple[int, int, int, int]],
+    sources: int,
+    shuffle: random.Random,
+    unit: int,
+    index: int | None,
+    block: int,
 ) -> None:
-    """Spans in any order, overlapping, adjacent (merged) or empty (dropped), of any byte multiple:
-    the bytes are those of a plain loop, by slices or by element index (in blocks of any size), and
-    merging keeps exactly the same bytes in fewer spans."""
-    spans = [(a * unit, m * unit) for a, m in spans]
-    src = torch.randint(0, 256, (80 * unit + 3,), dtype=torch.uint8)  # not a whole number of words
-    starts = np.array([a for a, _ in spans], dtype=np.int64)
-    sizes = np.array([m for _, m in spans], dtype=np.int64)
-    want = torch.cat([src[a : a + m] for a, m in spans]) if spans else src[:0]
-    lands, mstarts, msizes = merge_spans(starts, sizes)
-    assert (msizes > 0).all() and int(msizes.sum()) == int(sizes.sum())
-    merged = [src[a : a + m] for a, m in zip(mstarts.tolist(), msizes.tolist(), strict=True)]
-    assert torch.equal(torch.cat(merged) if merged else src[:0], want)
-    assert lands.tolist() == (np.cumsum(msizes) - msizes).tolist()
-    assert not (mstarts[1:] == mstarts[:-1] + msizes[:-1]).any()  # nothing left to merge
-    if not merge:  # the caller promises merged spans
-        starts, sizes = mstarts, msizes
-    dst = torch.full((len(want),), 7, dtype=torch.uint8)
-    saved = hostcopy._INDEX_BELOW, hostcopy._INDEX_BLOCK
+    """Spans from several sources, overlapping in a source, adjacent (merged) or empty (skipped), of
+    any byte multiple, landing in any order with or without gaps between them: the bytes are those
+    of a plain loop, by slices or by element index (in blocks of any size), and nothing outside the
+    spans is written. One source, landing back to back in order, is ``gather_bytes``."""
+    srcs = [torch.randint(0, 256, (80 * unit + 3,), dtype=torch.uint8) for _ in range(sources)]  # not whole words
+    which = np.array([w % sources for w, _, _, _ in spans], dtype=np.int64)
+    sizes = np.array([m * unit for _, _, m, _ in spans], dtype=np.int64)
+    gaps = np.array([g * unit for _, _, _, g in spans], dtype=np.int64)
+    starts = np.array([a * unit for _, a, _, _ in spans], dtype=np.int64)
+    for k in range(1, len(spans)):  # often right after the one before (in its source or another)
+        if spans[k][1] % 3 == 0:
+            starts[k] = min(starts[k - 1] + sizes[k - 1], 70 * unit)
+    place = list(range(len(spans)))  # where each span lands: in this order, with its gap before it
+    if shuffle.random() < 0.5:
+        shuffle.shuffle(place)
+    lands = np.zeros(len(spans), dtype=np.int64)
+    at = 0
+    for k in place:
+        at += int(gaps[k])
+        lands[k] = at
+        at += int(sizes[k])
+    want = torch.full((at + unit,), 7, dtype=torch.uint8)
+    for w, a, s, m in zip(which.tolist(), lands.tolist(), starts.tolist(), sizes.tolist(), strict=True):
+        want[a : a + m] = srcs[w][s : s + m]
+    pieces = zip(which.tolist(), starts.tolist(), sizes.tolist(), strict=True)
+    flat = torch.cat([srcs[w][s : s + m] for w, s, m in pieces]) if spans else srcs[0][:0]
+    saved = hostcopy._INDEX_BELOW, hostcopy._INDEX_BLOCK, hostcopy._SPANS_PER_SOURCE
     if index is not None:  # 0: always slices; huge: always the element index
         hostcopy._INDEX_BELOW = index
+        hostcopy._SPANS_PER_SOURCE = 0
     hostcopy._INDEX_BLOCK = block
     try:
-        gather_bytes(dst, src, starts, sizes, merge=merge)
+        dst = torch.full_like(want, 7)
+        copy_spans(dst, srcs, None if sources == 1 else which, lands, starts, sizes)
+        one = torch.full((int(sizes.sum()),), 7, dtype=torch.uint8)
+        if sources == 1:
+            gather_bytes(one, srcs[0], starts, sizes)
     finally:
-        hostcopy._INDEX_BELOW, hostcopy._INDEX_BLOCK = saved
+        hostcopy._INDEX_BELOW, hostcopy._INDEX_BLOCK, hostcopy._SPANS_PER_SOURCE = saved
     assert torch.equal(dst, want)
+    if sources == 1:
+        assert torch.equal(one, flat)
 
 
 def test_buffer_pool_reuses_slabs_only_after_release() -> None:

@@ -1,5 +1,8 @@
 """One RL step on a 16 MB batch of many rows: put, a write-back of one more field by the same keys,
-a get of every 2nd row by keys (all fields), ``kv_list``, clear. Medians of 4 after a warm-up.
+a get of every 2nd row by keys (all fields), a write-back of another field by 8 data-parallel ranks
+(rank r writes every 8th row from r: one put each), a get of every row (all fields: the newest
+field's rows alternate between the 8 puts row by row), ``kv_list``, clear. Medians of 4 after a
+warm-up.
 
     python -m benchmarks.results.many_rows memory://
     python -m benchmarks.results.many_rows "mooncake://local?segment_bytes=1GiB" 1024,16384,65536
@@ -18,6 +21,8 @@ import torch
 import dataplane
 from benchmarks.workload import make_batch
 
+_DP = 8
+
 
 def main() -> None:
     url = sys.argv[1]
@@ -27,21 +32,32 @@ def main() -> None:
     for rows in sizes:
         b = make_batch(16 << 20, 8, seed=0, rows=rows)
         extra = next(v for v in b.fields.values() if isinstance(v, torch.Tensor) and v.is_nested)
-        t: dict[str, list[float]] = {k: [] for k in ("put", "write-back", "get", "list", "clear")}
+        shares = [list(range(rank, rows, _DP)) for rank in range(_DP)]
+        each = extra.unbind()
+        parts = [torch.nested.as_nested_tensor([each[i] for i in mine], layout=torch.jagged) for mine in shares]
+        steps = ("put", "write-back", "get 1/2", "8-rank write-back", "get all", "list", "clear")
+        t: dict[str, list[float]] = {k: [] for k in steps}
         for _ in range(5):
-            t0 = time.perf_counter()
+            times = [time.perf_counter()]
             meta = w.kv_batch_put(b.keys, b.fields, partition_id="p")
-            t1 = time.perf_counter()
-            r.kv_batch_put(list(meta.keys), {"ref_lp": extra}, partition_id="p")
-            t2 = time.perf_counter()
-            r.kv_batch_get(list(meta.keys)[::2], partition_id="p", select_fields=[*meta.fields, "ref_lp"])
-            t3 = time.perf_counter()
+            keys = list(meta.keys)
+            times.append(time.perf_counter())
+            r.kv_batch_put(keys, {"ref_lp": extra}, partition_id="p")
+            times.append(time.perf_counter())
+            r.kv_batch_get(keys[::2], partition_id="p", select_fields=[*meta.fields, "ref_lp"])
+            times.append(time.perf_counter())
+            for mine, part in zip(shares, parts, strict=True):
+                r.kv_batch_put([keys[i] for i in mine], {"old_lp": part}, partition_id="p")
+            times.append(time.perf_counter())
+            out = r.kv_batch_get(keys, partition_id="p", select_fields=[*meta.fields, "ref_lp", "old_lp"])
+            times.append(time.perf_counter())
+            assert torch.equal(out["old_lp"].values(), extra.values())
             assert len(w.kv_list("p")["p"]) == rows
-            t4 = time.perf_counter()
+            times.append(time.perf_counter())
             w.kv_clear(partition_id="p")
-            t5 = time.perf_counter()
-            for k, v in zip(t, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True):
-                t[k].append(v)
+            times.append(time.perf_counter())
+            for k, a, z in zip(t, times, times[1:], strict=True):
+                t[k].append(z - a)
         print(
             rows, "rows:", ", ".join(f"{k} {statistics.median(v[1:]) * 1e3:.1f} ms" for k, v in t.items()), flush=True
         )

@@ -20,7 +20,7 @@ from dataplane.adapters._mc_handle import NOT_FOUND, NOT_READY, TRANSIENT, Store
 from dataplane.adapters._mc_index import PutIndex, Resolved
 from dataplane.bufpool import BufferPool
 from dataplane.codec.wire import Column
-from dataplane.hostcopy import gather_bytes
+from dataplane.hostcopy import copy_spans
 from dataplane.schema import FieldSchema
 
 __all__ = ["Landing", "ReadOp", "Reader", "Vanished"]
@@ -69,9 +69,9 @@ class Landing:
         return self.own.get(field)
 
 
-# result buffer, staged object, runs (where each lands in the result, where it is in the object,
-# its size), stretches of runs that land back to back
-_Gather = tuple[torch.Tensor, torch.Tensor, tuple[np.ndarray, np.ndarray, np.ndarray], list[tuple[int, int]]]
+# :func:`copy_spans` from staged objects: the result buffer, the objects, and per run which object
+# it is in (None: the only one), where it lands in the result, where it is in its object, its size
+_Gather = tuple[torch.Tensor, list[torch.Tensor], np.ndarray | None, np.ndarray, np.ndarray, np.ndarray]
 # per put the rows come from: where its rows are in the get (None: all of them, in order) and
 # their indices in the put
 _Groups = list[tuple[PutIndex, np.ndarray | None, np.ndarray]]
@@ -100,9 +100,8 @@ class _Spans:
 
     total: int
     offsets: torch.Tensor | None  # of the result (jagged and object fields)
-    # per put: where its merged spans land in the result, where they start in its object, their
-    # sizes, and the stretches of them that land back to back (one gather each)
-    puts: list[tuple[PutIndex, np.ndarray, np.ndarray, np.ndarray, list[tuple[int, int]]]]
+    # per put: where its merged spans land in the result, where they start in its object, their sizes
+    puts: list[tuple[PutIndex, np.ndarray, np.ndarray, np.ndarray]]
 
     @classmethod
     def of(cls, groups: _Groups, field: str, jagged: bool, n: int) -> _Spans:
@@ -137,23 +136,8 @@ class _Spans:
             # merge spans that are contiguous both where they land and in the object
             cut = np.flatnonzero((d[1:] != d[:-1] + m[:-1]) | (src[1:] != src[:-1] + m[:-1])) + 1
             head = np.concatenate((np.zeros(1, dtype=np.int64), cut))
-            d, src, m = d[head], src[head], np.add.reduceat(m, head)
-            breaks = (np.flatnonzero(d[1:] != d[:-1] + m[:-1]) + 1).tolist()
-            puts.append((p, d, src, m, list(zip([0, *breaks], [*breaks, len(m)], strict=True))))
+            puts.append((p, d[head], src[head], np.add.reduceat(m, head)))
         return cls(total, out, puts)
-
-
-def _gather(
-    dst: torch.Tensor,
-    stage: torch.Tensor,
-    runs: tuple[np.ndarray, np.ndarray, np.ndarray],
-    stretches: list[tuple[int, int]],
-) -> None:
-    """Copy the runs (where each lands in ``dst``, where it is in ``stage``, size) of a staged object."""
-    lands, starts, sizes = runs
-    for lo, hi in stretches:
-        at, n = int(lands[lo]), int(sizes[lo:hi].sum())
-        gather_bytes(dst[at : at + n], stage, starts[lo:hi], sizes[lo:hi], merge=False)
 
 
 def _empty(schema: FieldSchema, rows: int) -> torch.Tensor:
@@ -205,7 +189,7 @@ class Reader:
         def fill(deadline: float) -> None:
             self.run(ops, deadline)
             for gather in gathers:
-                _gather(*gather)
+                copy_spans(*gather)
 
         return out, fill
 
@@ -255,8 +239,8 @@ class Reader:
         base = buf.data_ptr()
         can_range = self.handle.covers(base, total)  # get_into_ranges reads only into registered memory
         ops: list[ReadOp] = []
-        gathers: list[_Gather] = []
-        for p, lands, starts, sizes, stretches in spans.puts:
+        staged: list[tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray]] = []
+        for p, lands, starts, sizes in spans.puts:
             d, src, m = lands * unit, starts * unit, sizes * unit
             key, nbytes = p.data_key(field), p.fields[field].nbytes
             if len(m) == 1 and src[0] == 0 and m[0] == nbytes:  # whole object, in place
@@ -270,7 +254,12 @@ class Reader:
             else:
                 stage = self.pool.empty(nbytes)
                 ops.append(ReadOp(key, stage.data_ptr(), nbytes))
-                gathers.append((buf, stage, (d, src, m), stretches))
+                staged.append((stage, d, src, m))
+        gathers: list[_Gather] = []
+        if staged:  # one gather from every staged object: their rows may alternate row by row
+            which = np.repeat(np.arange(len(staged)), [len(m) for *_, m in staged]) if len(staged) > 1 else None
+            runs = [np.concatenate([x[k] for x in staged]) for k in (1, 2, 3)]
+            gathers.append((buf, [x[0] for x in staged], which, runs[0], runs[1], runs[2]))
         rows = len(res.rows) if spans.offsets is None else spans.total
         values = schema.view_rows(buf, rows) if total else _empty(schema, rows)
         return Column(schema, values, spans.offsets), ops, gathers

@@ -11,7 +11,6 @@ names it, and lives until the last of them closes.
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from dataplane.client import Capabilities, Listing
 from dataplane.codec.jagged import offsets_from_lengths
 from dataplane.codec.wire import Column
 from dataplane.errors import CapacityExceeded, DataPlaneTimeout, InvalidArgument, missing_rows_error
-from dataplane.hostcopy import gather_bytes
+from dataplane.hostcopy import copy_spans
 from dataplane.meta import KVBatchMeta
 from dataplane.registry import url_option
 from dataplane.schema import FieldSchema, check_compatible
@@ -87,17 +86,19 @@ class _Chunk:
 
 
 class _Partition:
-    """Rows as columns, not objects: each live key has a slot, and each field an array over slots of
-    the put (block, by number) holding its newest value and the row in that put. A batch of 64K rows
-    would otherwise be 64K objects for the garbage collector to walk again and again, and to visit
-    one by one on every get and clear."""
+    """Rows as columns, not objects: each live key has a slot, and each field arrays over slots of
+    the put (block, by number) holding its newest value, and where that value starts in the put's
+    chunk and its length (leading-dim units: 1 row of a dense field). A batch of 64K rows would
+    otherwise be 64K objects for the garbage collector to walk again and again, and to visit one by
+    one on every get and clear; and a get finds every row's bytes with no per-put lookup, however
+    many puts its rows come from."""
 
     __slots__ = ("blocks", "cols", "free", "next_block", "rows", "schema", "slots", "tagged")
 
     def __init__(self) -> None:
         self.rows: dict[str, int] = {}  # live key -> slot
         self.schema: dict[str, FieldSchema] = {}
-        self.cols: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # field -> (block number, row) per slot
+        self.cols: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # field -> (block, start, length)
         self.blocks: dict[int, dict[str, _Chunk]] = {}  # put (by number) -> its chunks some row still reads
         self.next_block = 0
         self.slots = 0  # slots handed out
@@ -119,12 +120,10 @@ class _Partition:
             self.slots += len(fresh) - reuse
             slots[fresh] = new
             self.rows.update(zip([keys[i] for i in fresh.tolist()], new.tolist(), strict=True))
-            for name, (chunk, row) in self.cols.items():
-                if len(chunk) < self.slots:  # grow every field's columns (doubling)
-                    self.cols[name] = (
-                        grown(chunk, max(self.slots, 2 * len(chunk))),
-                        grown(row, max(self.slots, 2 * len(row))),
-                    )
+            for name, cols in self.cols.items():
+                if len(cols[0]) < self.slots:  # grow every field's columns (doubling)
+                    size = max(self.slots, 2 * len(cols[0]))
+                    self.cols[name] = (grown(cols[0], size), grown(cols[1], size), grown(cols[2], size))
         return slots
 
     def superseded(self, slots: np.ndarray, fields: Iterable[str]) -> list[tuple[_Chunk, int]]:
@@ -175,11 +174,11 @@ class _Partition:
         """Every live key with its tags (merged over the puts that wrote it, in order)."""
         return merged_tags(self.tagged, self.rows)
 
-    def column(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+    def column(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         cols = self.cols.get(name)
         if cols is None:
             size = max(self.slots, 1024)
-            cols = self.cols[name] = (np.full(size, NONE, dtype=np.int64), np.zeros(size, dtype=np.int64))
+            cols = self.cols[name] = (np.full(size, NONE, dtype=np.int64), *np.zeros((2, size), dtype=np.int64))
         return cols
 
 
@@ -197,50 +196,14 @@ def _stored_copy(col: Column, pool: BufferPool, offsets: dict[int, torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class _Rows:
-    """Rows read from one put, in get order: their indices in it, grouped into runs of consecutive
-    rows (``first[k]`` to ``last[k]`` inclusive). One run is one copy per field."""
+class _Read:
+    """One field's rows of a get: the chunks they come from, which chunk each row is in (None: all
+    in the first), and where each row starts in its chunk and its length (leading-dim units)."""
 
-    idx: np.ndarray
-    first: np.ndarray
-    last: np.ndarray
-
-    @classmethod
-    def of(cls, idx: np.ndarray) -> _Rows:
-        if len(idx) and idx[-1] - idx[0] == len(idx) - 1 and (len(idx) < 3 or bool((np.diff(idx) == 1).all())):
-            return cls(idx, idx[:1], idx[-1:])
-        cut = np.flatnonzero(idx[1:] != idx[:-1] + 1) + 1
-        return cls(idx, idx[np.concatenate(([0], cut))], idx[np.concatenate((cut - 1, [len(idx) - 1]))])
-
-
-Piece = tuple[_Chunk, _Rows]  # rows of one put read from its chunk of a field
-
-
-def _block_runs(blocks: np.ndarray, rows: np.ndarray) -> list[tuple[int, _Rows]]:
-    """Consecutive rows of a get read from one put (block number): one vectorized gather each."""
-    cut = (np.flatnonzero(blocks[1:] != blocks[:-1]) + 1).tolist()
-    bounds = [0, *cut, len(blocks)]
-    return [(int(blocks[a]), _Rows.of(rows[a:b])) for a, b in itertools.pairwise(bounds)]
-
-
-def _spans(schema: FieldSchema, chunk: _Chunk, rows: _Rows) -> tuple[np.ndarray, np.ndarray]:
-    """Where each run of ``rows`` starts in the chunk's buffer, and its length (leading-dim units)."""
-    if schema.kind == "dense":
-        return rows.first, rows.last - rows.first + 1
-    assert chunk.offsets is not None
-    offsets = chunk.offsets.numpy()
-    first = offsets[rows.first]
-    return first, offsets[rows.last + 1] - first
-
-
-def _lengths(chunk: _Chunk, rows: _Rows) -> np.ndarray:
-    """The length of each of ``rows`` (jagged and object fields)."""
-    assert chunk.offsets is not None
-    offsets: np.ndarray = chunk.offsets.numpy()
-    if len(rows.first) == 1:
-        return np.diff(offsets[int(rows.first[0]) : int(rows.last[0]) + 2])
-    lengths: np.ndarray = offsets[rows.idx + 1] - offsets[rows.idx]
-    return lengths
+    chunks: list[_Chunk]
+    which: np.ndarray | None
+    starts: np.ndarray
+    lengths: np.ndarray
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -248,39 +211,35 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _assemble(
-    schemas: Mapping[str, FieldSchema], pieces: Mapping[str, list[Piece]], fields: Sequence[str]
+    schemas: Mapping[str, FieldSchema], reads: Mapping[str, _Read], fields: Sequence[str]
 ) -> dict[str, Column]:
-    """Copy each field's rows back to back into memory the caller owns: fields of 1 MiB or more
-    share one pooled buffer (:meth:`BufferPool.carve`), smaller ones get their own. Fields read from
-    the same stored offsets tensors, over the same rows, share one offsets tensor, hence one ragged
-    dim."""
-    spans = {f: [_spans(schemas[f], chunk, rows) for chunk, rows in pieces[f]] for f in fields}
-    lengths = {f: [int(ln.sum()) for _, ln in spans[f]] for f in fields}
-    nbytes = {f: sum(lengths[f]) * schemas[f].row_nbytes for f in fields}
+    """Copy each field's rows back to back into memory the caller owns (:func:`copy_spans`: one
+    vectorized gather, whichever puts the rows alternate between): fields of 1 MiB or more share one
+    pooled buffer (:meth:`BufferPool.carve`), smaller ones get their own. Fields whose rows have the
+    same lengths share one offsets tensor, hence one ragged dim."""
+    units = {f: int(reads[f].lengths.sum()) for f in fields}
+    nbytes = {f: units[f] * schemas[f].row_nbytes for f in fields}
     carved = default_pool().carve(nbytes)
-    layouts: dict[tuple[Any, ...], torch.Tensor] = {}
+    ragged: list[tuple[np.ndarray, torch.Tensor]] = []
     out: dict[str, Column] = {}
     for f in fields:
-        schema = schemas[f]
+        schema, read = schemas[f], reads[f]
         unit = schema.row_nbytes
         raw = carved.get(f)
         if raw is None:
             raw = torch.empty(nbytes[f], dtype=torch.uint8)
-        at = 0
-        for (chunk, _), (first, length), n in zip(pieces[f], spans[f], lengths[f], strict=True):
-            if n:
-                gather_bytes(raw[at : at + n * unit], _as_bytes(chunk.buf), first * unit, length * unit)
-            at += n * unit
-        values = schema.view_rows(raw, sum(lengths[f]))
+        if nbytes[f]:
+            sizes = read.lengths * unit
+            srcs = [_as_bytes(c.buf) for c in read.chunks]
+            copy_spans(raw, srcs, read.which, np.cumsum(sizes) - sizes, read.starts * unit, sizes)
+        values = schema.view_rows(raw, units[f])
         if schema.kind == "dense":
             out[f] = Column(schema, values)
             continue
-        layout = tuple((id(chunk.offsets), id(rows)) for chunk, rows in pieces[f])
-        offsets = layouts.get(layout)
+        offsets = next((o for lens, o in ragged if np.array_equal(lens, read.lengths)), None)
         if offsets is None:
-            parts = [_lengths(chunk, rows) for chunk, rows in pieces[f]]
-            lens = parts[0] if len(parts) == 1 else np.concatenate(parts)
-            offsets = layouts[layout] = offsets_from_lengths(torch.from_numpy(lens))
+            offsets = offsets_from_lengths(torch.from_numpy(read.lengths))
+            ragged.append((read.lengths, offsets))
         out[f] = Column(schema, values, offsets)
     return out
 
@@ -369,11 +328,15 @@ class MemoryStore(KVStore):
             number = part.next_block
             part.next_block += 1
             part.blocks[number] = chunks
-            at = np.arange(len(keys), dtype=np.int64)
-            for field in columns:
-                block, row = part.column(field)
+            rows_at = np.arange(len(keys), dtype=np.int64)
+            for field, chunk in chunks.items():
+                block, start, length = part.column(field)
                 block[slots] = number
-                row[slots] = at
+                if chunk.offsets is None:
+                    start[slots], length[slots] = rows_at, 1
+                else:
+                    offsets = chunk.offsets.numpy()
+                    start[slots], length[slots] = offsets[:-1], np.diff(offsets)
             if tags is not None:
                 part.tagged.append((slots, tuple(dict(t) for t in tags)))
             self._rows += new_rows
@@ -400,35 +363,35 @@ class MemoryStore(KVStore):
             slots = np.array(found, dtype=np.int64)
             if part is None or (slots == NONE).any():
                 raise missing_rows_error(partition_id, [k for k, s in zip(keys, found, strict=True) if s == NONE])
-            per_field: dict[str, tuple[np.ndarray, np.ndarray]] = {}
             missing_fields: dict[str, list[str]] = {}
             for f in fields:
                 cols = part.cols.get(f)
-                if cols is None:
-                    missing_fields[f] = list(keys)
-                    continue
-                blocks = cols[0][slots]
-                absent = np.flatnonzero(blocks == NONE)
+                absent = np.arange(len(keys)) if cols is None else np.flatnonzero(cols[0][slots] == NONE)
                 if len(absent):
                     missing_fields[f] = [keys[j] for j in absent.tolist()]
-                per_field[f] = (blocks, cols[1][slots])
             if missing_fields:
                 raise missing_rows_error(partition_id, (), missing_fields)
             schemas = {f: part.schema[f] for f in fields}
-            alike: list[tuple[np.ndarray, np.ndarray, list[tuple[int, _Rows]]]] = []
-            pieces: dict[str, list[Piece]] = {}
-            for f in fields:  # fields read alike (the common case: all of them) group their rows once
-                blocks, idx = per_field[f]
-                runs = next((r for b, i, r in alike if np.array_equal(b, blocks) and np.array_equal(i, idx)), None)
-                if runs is None:
-                    runs = _block_runs(blocks, idx)
-                    alike.append((blocks, idx, runs))
-                pieces[f] = [(part.blocks[b][f], rows) for b, rows in runs]
+            reads: dict[str, _Read] = {}
+            sources: list[tuple[np.ndarray, list[int], np.ndarray | None]] = []
+            for f in fields:
+                blocks, starts, lengths = (c[slots] for c in part.cols[f])
+                # fields read alike (the common case: all of them) find their puts once
+                alike = next((s for s in sources if np.array_equal(s[0], blocks)), None)
+                if alike is None:
+                    if not len(blocks) or blocks.min() == blocks.max():
+                        alike = (blocks, [int(blocks[0])] if len(blocks) else [], None)
+                    else:  # rows from several puts (written back by several ranks, or put one by one)
+                        distinct, inverse = np.unique(blocks, return_inverse=True)
+                        alike = (blocks, distinct.tolist(), inverse)
+                    sources.append(alike)
+                _, numbers, which = alike
+                reads[f] = _Read([part.blocks[b][f] for b in numbers], which, starts, lengths)
         finally:
             self._lock.release()
         # Copy outside the lock: a stored buffer is never written after its put publishes it, and
-        # ``pieces`` holds the chunks alive even if a concurrent put or clear drops them.
-        return _assemble(schemas, pieces, fields)
+        # ``reads`` holds the chunks alive even if a concurrent put or clear drops them.
+        return _assemble(schemas, reads, fields)
 
     def clear(self, partition_id: str, keys: Sequence[str] | None, *, timeout_s: float) -> None:
         self._acquire(timeout_s)
