@@ -11,7 +11,9 @@ when idle.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,7 +32,7 @@ _HELPERS = LazyPool(_MAX_THREADS - 1, "dataplane-copy")
 # of one slice per span: a slice costs ~0.3 us whatever its size, an indexed element 1-3 ns
 # (2-core VM: 32K spans of 20 elements 10.6 -> 1.2 ms; of 300, slices win 0.6 against 0.9 ms).
 _INDEX_BELOW = 100
-_INDEX_BLOCK = 1 << 20  # elements per index block (8 MB of int64 indices at most)
+_INDEX_BLOCK = 1 << 18  # elements per index block (2 MB of int64 indices, kept per thread)
 # Short spans go by element index only when there are this many per source: each source costs a few
 # numpy calls (~10 us), which thousands of single-row sources (rows put one at a time) would not repay.
 _SPANS_PER_SOURCE = 16
@@ -144,24 +146,55 @@ def _words(t: torch.Tensor, word: int) -> np.ndarray:
     return b[: b.size // word * word].view(_WORDS[word])
 
 
+class _Scratch(threading.local):
+    """Per-thread buffers for element indices, kept between gathers: fresh memory costs a page fault
+    per 4 KiB on first touch (~2 us each on the 2-core VM), and temporaries of a few MB come fresh
+    from the OS again and again, which made a gather of short rows 4-5x slower than its copies."""
+
+    def __init__(self) -> None:
+        self.bufs: dict[tuple[str, np.dtype[Any]], np.ndarray] = {}
+
+    def get(self, name: str, n: int, dtype: Any) -> np.ndarray:
+        if n > _INDEX_BLOCK:  # one span longer than a block: not worth keeping
+            return np.empty(n, dtype=dtype)
+        key = (name, np.dtype(dtype))
+        buf = self.bufs.get(key)
+        if buf is None or len(buf) < n:
+            buf = self.bufs[key] = np.empty(_INDEX_BLOCK, dtype=dtype)
+        return buf[:n]
+
+
+_SCRATCH = _Scratch()
+
+
+def _ragged_range(out: np.ndarray, heads: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """``out`` (``sizes.sum()`` entries) filled with ``starts[k], starts[k] + 1, ...`` for ``sizes[k]``
+    entries each, span k from ``heads[k]`` on: one cumulative sum of steps, no temporaries."""
+    out.fill(1)
+    steps = np.empty(len(starts), dtype=np.int64)
+    steps[0] = starts[0]
+    np.subtract(starts[1:], starts[:-1] + sizes[:-1] - 1, out=steps[1:])
+    out[heads] = steps
+    np.cumsum(out, out=out)
+    return out
+
+
 def _take(d: np.ndarray, s: np.ndarray, lands: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> None:
-    """Copy spans by element index (all in words), a block of at most ``_INDEX_BLOCK`` words (or one
-    span) at a time: into ``d`` directly where a block's spans land back to back, else scattered."""
+    """Copy spans (none empty) by element index (all in words), a block of at most ``_INDEX_BLOCK``
+    words (or one span) at a time: into ``d`` directly where a block's spans land back to back, else
+    scattered."""
     ends = np.cumsum(sizes)
     rel = ends - sizes  # where each span starts among the ones copied
     i, n = 0, len(sizes)
     while i < n:
         j = max(i + 1, int(np.searchsorted(ends, rel[i] + _INDEX_BLOCK, side="right")))
-        base, upto = int(rel[i]), int(ends[j - 1])
-        shift = rel[i:j] - base
-        pos = np.arange(upto - base, dtype=np.int64)
-        idx = np.repeat(starts[i:j] - shift, sizes[i:j])
-        idx += pos
-        to = lands[i:j] - shift
+        base, m = int(rel[i]), int(ends[j - 1] - rel[i])
+        heads = rel[i:j] - base
+        idx = _ragged_range(_SCRATCH.get("idx", m, np.int64), heads, starts[i:j], sizes[i:j])
+        to = lands[i:j] - heads
         if (to == to[0]).all():  # lands back to back: take straight into place
-            np.take(s, idx, out=d[int(to[0]) : int(to[0]) + len(pos)])
+            np.take(s, idx, out=d[int(to[0]) : int(to[0]) + m])
         else:
-            at = np.repeat(to, sizes[i:j])
-            at += pos
-            d[at] = np.take(s, idx)
+            at = _ragged_range(_SCRATCH.get("at", m, np.int64), heads, lands[i:j], sizes[i:j])
+            d[at] = np.take(s, idx, out=_SCRATCH.get("val", m, s.dtype))
         i = j

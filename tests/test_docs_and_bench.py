@@ -14,6 +14,8 @@ from typing import Any
 import jsonschema
 import pytest
 
+import dataplane
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -191,6 +193,18 @@ def test_rank_rows_benchmark_checks_every_kind_of_read(tmp_path: Path, url: str)
     for cell in cells.values():
         assert min(cell["whole_ms"], cell["dp2_ms"], cell["dp8_ms"], cell["dp8_vs_whole"]) > 0
     assert f"| `{url}` | 64 |" in out.with_suffix(".md").read_text()
+
+
+def test_many_rows_benchmark_times_every_step_and_checks_its_reads() -> None:
+    """The many-rows step checks its gets against what was put (raising inside), on few rows."""
+    from benchmarks.results.many_rows import STEPS, step_times
+
+    client = dataplane.connect("memory://")
+    try:
+        med = step_times(client, client, rows=40, repeat=1)
+    finally:
+        client.close()
+    assert list(med) == list(STEPS) and min(med.values()) > 0
 
 
 def _run_results_bench(module: str, out: Path, args: str) -> None:
