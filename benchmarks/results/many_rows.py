@@ -2,10 +2,12 @@
 a get of every 2nd row by keys (all fields), a write-back of another field by 8 data-parallel ranks
 (rank r writes every 8th row from r: one put each), a get of every row (all fields: the newest
 field's rows alternate between the 8 puts row by row), ``kv_list``, clear. Medians of 4 after a
-warm-up.
+warm-up. With ``half`` after the sizes, only the get of every 2nd row, ten times over one put (a
+trainer rank reading its share step after step), each time printed.
 
     python -m benchmarks.results.many_rows memory://
     python -m benchmarks.results.many_rows "mooncake://local?segment_bytes=1GiB" 1024,16384,65536
+    python -m benchmarks.results.many_rows memory:// 16384 half
 
 Mooncake's reader is a second client of the owner's deployment (another client, same process).
 """
@@ -64,6 +66,20 @@ def step_times(w: dataplane.DataPlaneClient, r: dataplane.DataPlaneClient, rows:
     return {k: statistics.median(v[1:]) for k, v in t.items()}
 
 
+def half_gets(w: dataplane.DataPlaneClient, r: dataplane.DataPlaneClient, rows: int, repeat: int) -> list[float]:
+    """Seconds of each of ``repeat`` gets of every 2nd row (all fields) of one put."""
+    b = make_batch(16 << 20, 8, seed=0, rows=rows)
+    meta = w.kv_batch_put(b.keys, b.fields, partition_id="p")
+    keys = list(meta.keys)[::2]
+    out = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        r.kv_batch_get(keys, partition_id="p", select_fields=list(meta.fields))
+        out.append(time.perf_counter() - t0)
+    w.kv_clear(partition_id="p")
+    return out
+
+
 def main() -> None:
     url = sys.argv[1]
     sizes = [int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "1024,16384,65536").split(",")]
@@ -71,6 +87,9 @@ def main() -> None:
     r = dataplane.connect(w.store.join_url) if url.startswith("mooncake") else w  # type: ignore[attr-defined]
     try:
         for rows in sizes:
+            if sys.argv[3:] == ["half"]:
+                print(rows, "rows, get 1/2:", " ".join(f"{t * 1e3:.1f}" for t in half_gets(w, r, rows, 10)), "ms")
+                continue
             med = step_times(w, r, rows, repeat=4)
             print(rows, "rows:", ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in med.items()), flush=True)
     finally:

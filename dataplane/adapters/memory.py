@@ -215,8 +215,8 @@ def _assemble(
 ) -> dict[str, Column]:
     """Copy each field's rows back to back into memory the caller owns (:func:`copy_spans`: one
     vectorized gather, whichever puts the rows alternate between): fields of 1 MiB or more share one
-    pooled buffer (:meth:`BufferPool.carve`), smaller ones get their own. Fields whose rows have the
-    same lengths share one offsets tensor, hence one ragged dim."""
+    pooled buffer (:meth:`BufferPool.carve`), smaller ones get their own. Jagged fields whose rows
+    have the same lengths share one offsets tensor, hence one ragged dim."""
     units = {f: int(reads[f].lengths.sum()) for f in fields}
     nbytes = {f: units[f] * schemas[f].row_nbytes for f in fields}
     carved = default_pool().carve(nbytes)
@@ -236,10 +236,13 @@ def _assemble(
         if schema.kind == "dense":
             out[f] = Column(schema, values)
             continue
-        offsets = next((o for lens, o in ragged if np.array_equal(lens, read.lengths)), None)
+        offsets = None
+        if schema.kind == "jagged":
+            offsets = next((o for lens, o in ragged if np.array_equal(lens, read.lengths)), None)
         if offsets is None:
             offsets = offsets_from_lengths(torch.from_numpy(read.lengths))
-            ragged.append((read.lengths, offsets))
+            if schema.kind == "jagged":
+                ragged.append((read.lengths, offsets))
         out[f] = Column(schema, values, offsets)
     return out
 
