@@ -279,3 +279,18 @@ def test_buffer_pool_alloc_hook_makes_every_buffer() -> None:
     assert len(dropped) == 1  # pooled slabs go back to the pool, not to on_drop
     pool.close()
     assert len(dropped) == 3
+
+
+def test_slot_lookup_marks_absent_keys() -> None:
+    """Every key present (one C-level pass), some absent, one key, none, an empty map: the slot of
+    each key, or NONE."""
+    from dataplane.adapters._slots import NONE, lookup
+
+    rows = {"a": 3, "b": 0, "c": 7}
+    assert lookup(rows, ["c", "a", "b"]).tolist() == [7, 3, 0]
+    assert lookup(rows, ["b"]).tolist() == [0]
+    assert lookup(rows, ["a", "zz", "c", "yy"]).tolist() == [3, NONE, 7, NONE]
+    assert lookup(rows, ["zz"]).tolist() == [NONE]
+    assert lookup(rows, []).tolist() == []
+    assert lookup({}, ["a", "b"]).tolist() == [NONE, NONE]
+    assert lookup(rows, ("a", "c")).dtype == np.int64

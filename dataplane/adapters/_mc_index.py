@@ -29,7 +29,7 @@ from urllib.parse import quote, unquote
 import msgpack
 import numpy as np
 
-from dataplane.adapters._slots import NONE, grown, merged_tags
+from dataplane.adapters._slots import NONE, grown, lookup, merged_tags
 from dataplane.errors import BackendUnavailable, InvalidArgument, SchemaError
 from dataplane.schema import FieldSchema
 
@@ -313,9 +313,7 @@ class PartitionState:
 
     def _slots_of(self, keys: Sequence[str]) -> np.ndarray:
         """The slot of each of ``keys`` (distinct), new keys getting new ones."""
-        get = self.rows.get
-        found = [get(k, NONE) for k in keys]
-        slots = np.array(found, dtype=np.int64)
+        slots = lookup(self.rows, keys)
         fresh = np.flatnonzero(slots == NONE)
         if len(fresh):
             slots[fresh] = np.arange(self._slots, self._slots + len(fresh))
@@ -350,11 +348,9 @@ class PartitionState:
         self, keys: Sequence[str], fields: Sequence[str]
     ) -> tuple[list[str], dict[str, list[str]], dict[str, Resolved]]:
         """(missing keys, field -> keys missing it, field -> where each row lives)."""
-        get = self.rows.get
-        found = [get(k, NONE) for k in keys]
-        slots = np.array(found, dtype=np.int64)
+        slots = lookup(self.rows, keys)
         if (slots == NONE).any():
-            return [k for k, s in zip(keys, found, strict=True) if s == NONE], {}, {}
+            return [keys[i] for i in np.flatnonzero(slots == NONE).tolist()], {}, {}
         out: dict[str, Resolved] = {}
         missing: dict[str, list[str]] = {}
         alike: list[tuple[np.ndarray, Resolved]] = []  # fields resolved alike share one resolution's arrays

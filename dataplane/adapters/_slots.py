@@ -3,14 +3,33 @@ key) and per field arrays over slots, instead of one Python object per row."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["NONE", "grown", "merged_tags"]
+__all__ = ["NONE", "grown", "lookup", "merged_tags"]
 
 NONE = -1  # no put holds this field for this slot (or: a dead slot)
+
+
+def lookup(rows: Mapping[str, int], keys: Sequence[str]) -> np.ndarray:
+    """The slot of each of ``keys`` in ``rows`` (key -> slot), ``NONE`` where absent. When every key
+    is there (a get, a write-back) one C-level pass finds them, a third faster than a Python one at
+    64K keys."""
+    n = len(keys)
+    if n and rows:
+        try:
+            found = operator.itemgetter(*keys)(rows)
+        except KeyError:
+            pass
+        else:
+            return np.array(found if n > 1 else (found,), dtype=np.int64)
+    if not rows:
+        return np.full(n, NONE, dtype=np.int64)
+    get = rows.get
+    return np.array([get(k, NONE) for k in keys], dtype=np.int64)
 
 
 def grown(a: np.ndarray, size: int) -> np.ndarray:

@@ -20,7 +20,7 @@ from urllib.parse import parse_qs, urlparse
 import numpy as np
 import torch
 
-from dataplane.adapters._slots import NONE, grown, merged_tags
+from dataplane.adapters._slots import NONE, grown, lookup, merged_tags
 from dataplane.bufpool import BufferPool, default_pool
 from dataplane.client import Capabilities, Listing
 from dataplane.codec.jagged import offsets_from_lengths
@@ -105,10 +105,10 @@ class _Partition:
         self.free: list[int] = []  # slots of cleared keys, handed out again
         self.tagged: list[tuple[np.ndarray, tuple[dict[str, Any], ...]]] = []  # (slot per row, tags) per put
 
-    def slots_of(self, keys: Sequence[str]) -> np.ndarray:
-        """The slot of each of ``keys`` (distinct), new keys getting free or new ones."""
-        get = self.rows.get
-        slots = np.array([get(k, NONE) for k in keys], dtype=np.int64)
+    def slots_of(self, keys: Sequence[str], found: np.ndarray) -> np.ndarray:
+        """The slot of each of ``keys`` (distinct; ``found``: their :func:`lookup`), new keys getting
+        free or new ones."""
+        slots = found.copy()
         fresh = np.flatnonzero(slots == NONE)
         if len(fresh):
             reuse = min(len(fresh), len(self.free))
@@ -305,9 +305,8 @@ class MemoryStore(KVStore):
             for field, col in columns.items():
                 if field in known:
                     check_compatible(partition_id, field, known[field], col.schema)
-            rows = part.rows if part is not None else {}
-            get = rows.get
-            held = np.array([s for s in (get(k) for k in keys) if s is not None], dtype=np.int64)
+            found = lookup(part.rows if part is not None else {}, keys)
+            held = found[found != NONE]
             new_rows = len(keys) - len(held)
             if cfg.capacity_rows is not None and self._rows + new_rows > cfg.capacity_rows:
                 raise CapacityExceeded(
@@ -327,7 +326,7 @@ class MemoryStore(KVStore):
             for field, col in columns.items():
                 part.schema.setdefault(field, col.schema)
             self._bytes -= part.drop(held, columns)
-            slots = part.slots_of(keys)
+            slots = part.slots_of(keys, found)
             number = part.next_block
             part.next_block += 1
             part.blocks[number] = chunks
@@ -360,12 +359,9 @@ class MemoryStore(KVStore):
         self._acquire(timeout_s)
         try:
             part = self._parts.get(partition_id)
-            rows: dict[str, int] = part.rows if part is not None else {}
-            get = rows.get
-            found = [get(k, NONE) for k in keys]
-            slots = np.array(found, dtype=np.int64)
+            slots = lookup(part.rows if part is not None else {}, keys)
             if part is None or (slots == NONE).any():
-                raise missing_rows_error(partition_id, [k for k, s in zip(keys, found, strict=True) if s == NONE])
+                raise missing_rows_error(partition_id, [keys[i] for i in np.flatnonzero(slots == NONE).tolist()])
             missing_fields: dict[str, list[str]] = {}
             for f in fields:
                 cols = part.cols.get(f)
