@@ -318,7 +318,8 @@ class PartitionState:
         if len(fresh):
             slots[fresh] = np.arange(self._slots, self._slots + len(fresh))
             self._slots += len(fresh)
-            self.rows.update(zip([keys[i] for i in fresh.tolist()], slots[fresh].tolist(), strict=True))
+            new_keys = keys if len(fresh) == len(keys) else [keys[i] for i in fresh.tolist()]
+            self.rows.update(zip(new_keys, slots[fresh].tolist(), strict=True))
             have = len(next(iter(self._newest.values()))[0]) if self._newest else 0
             if self._slots > have:  # grow every field's columns (doubling)
                 size = max(self._slots, 2 * have, 1024)

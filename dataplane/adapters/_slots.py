@@ -53,4 +53,6 @@ def merged_tags(
                     tags[s] = dict(t)
                 else:
                     mine.update(t)
+    if not tags:
+        return {k: {} for k in rows}
     return {k: tags.get(s) or {} for k, s in rows.items()}

@@ -119,7 +119,8 @@ class _Partition:
             )
             self.slots += len(fresh) - reuse
             slots[fresh] = new
-            self.rows.update(zip([keys[i] for i in fresh.tolist()], new.tolist(), strict=True))
+            new_keys = keys if len(fresh) == len(keys) else [keys[i] for i in fresh.tolist()]
+            self.rows.update(zip(new_keys, new.tolist(), strict=True))
             for name, cols in self.cols.items():
                 if len(cols[0]) < self.slots:  # grow every field's columns (doubling)
                     size = max(self.slots, 2 * len(cols[0]))
