@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from dataplane.adapters._mc_handle import AdminClient, _lines, error_for
 from dataplane.adapters._mc_index import (
+    ListedPuts,
     PartitionState,
     PutIndex,
     data_key,
@@ -82,6 +83,31 @@ def test_index_key_parsing() -> None:
     assert parse_index_key(f"{prefix}0001-w.42", prefix) == ("0001-w", 42)
     for bad in (f"{prefix}0001-w", f"{prefix}x/y.3", f"{prefix}.3", f"{prefix}a.b"):
         assert parse_index_key(bad, prefix) is None
+
+
+@given(listings=st.lists(st.sets(st.integers(0, 39)), max_size=12))
+@settings(max_examples=300, deadline=None)
+def test_listed_puts_across_listings_match_parsing_each_listing(listings: list[set[int]]) -> None:
+    """Listings that gain and lose lines (puts, clears), with index keys of this partition, of
+    another one, and keys of other shapes: what ListedPuts keeps is what parsing each listing
+    afresh finds."""
+    prefix, other = index_prefix("ns", "p"), index_prefix("ns", "q")
+    universe = [
+        *(f"{prefix}{i:04d}-w.{10 + i}" for i in range(20)),
+        *(f"{other}{i:04d}-w.{10 + i}" for i in range(10)),
+        *(f"{prefix}bad{i}" for i in range(5)),
+        *(f"{prefix}{i:04d}-x/y.3" for i in range(5)),
+    ]
+    listed = ListedPuts()
+    for picks in listings:
+        lines = [universe[i] for i in sorted(picks)]
+        fresh = {}
+        for line in lines:
+            parsed = parse_index_key(line, prefix) if line.startswith(prefix) else None
+            if parsed is not None:
+                fresh[parsed[0]] = (line, parsed[1])
+        assert listed.update(lines, prefix) == fresh
+        assert set(listed.seen) == {line for line in lines if line.startswith(prefix)}
 
 
 def test_listing_keeps_only_this_namespaces_index_keys() -> None:

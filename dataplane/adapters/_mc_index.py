@@ -35,6 +35,7 @@ from dataplane.schema import FieldSchema
 
 __all__ = [
     "FieldEntry",
+    "ListedPuts",
     "PartitionState",
     "PutIndex",
     "Resolved",
@@ -125,6 +126,34 @@ def parse_index_key(key: str, prefix: str) -> tuple[str, int] | None:
     if not dot or not put_id or not size.isdigit() or "/" in put_id:
         return None
     return put_id, int(size)
+
+
+class ListedPuts:
+    """The puts a partition's index lines show, kept across listings: every put lists the partition,
+    and a partition can hold thousands of puts (rows put one by one), so lines are matched as sets
+    and only lines not seen before are parsed."""
+
+    __slots__ = ("puts", "seen")
+
+    def __init__(self) -> None:
+        self.seen: dict[str, tuple[str, int] | None] = {}  # line -> (put id, size), None: not an index key
+        self.puts: dict[str, tuple[str, int]] = {}  # put id -> (line, size)
+
+    def update(self, lines: Iterable[str], prefix: str) -> dict[str, tuple[str, int]]:
+        """Put id -> (index key, size) of every index key of ``prefix`` in ``lines`` (a listing): what
+        :func:`parse_index_key` finds in them, the same as parsing every line again (put ids are
+        unique: one index object per put). The dict is kept for the next update: read it only."""
+        mine = {line for line in lines if line.startswith(prefix)}
+        seen, puts = self.seen, self.puts
+        for line in seen.keys() - mine:
+            parsed = seen.pop(line)
+            if parsed is not None and puts.get(parsed[0], ("",))[0] == line:
+                del puts[parsed[0]]
+        for line in sorted(mine - seen.keys()):
+            parsed = seen[line] = parse_index_key(line, prefix)
+            if parsed is not None:
+                puts[parsed[0]] = (line, parsed[1])
+        return puts
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,7 +367,7 @@ class PartitionState:
         """The state for exactly the puts in ``current`` (put_id -> index): self, updated in place
         when only newer puts were added, else a rebuilt one."""
         if self.puts.keys() <= current.keys():
-            new = sorted(pid for pid in current if pid not in self.puts)
+            new = sorted(current.keys() - self.puts.keys())
             if not new or new[0] > self.max_id:
                 for pid in new:
                     self.apply(current[pid])

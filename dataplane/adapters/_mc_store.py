@@ -43,6 +43,7 @@ from dataplane.adapters._mc_handle import (
     error_for,
 )
 from dataplane.adapters._mc_index import (
+    ListedPuts,
     PartitionState,
     PutIndex,
     Resolved,
@@ -122,6 +123,7 @@ class _Part:
     # schemas of this client's puts still being written: field -> (schema, count); a concurrent put
     # of the same new field from another thread of this process is checked against them
     pending: dict[str, tuple[FieldSchema, int]] = dataclasses.field(default_factory=dict)
+    lines: ListedPuts = dataclasses.field(default_factory=ListedPuts)  # the index lines last listed
 
 
 @dataclass
@@ -217,18 +219,13 @@ class MooncakeStore(KVStore):
         self, partition_id: str, part: _Part, lines: Sequence[str], hints: Mapping[str, PutIndex], deadline: float
     ) -> PartitionState:
         """Bring ``part`` to what the listing shows (call with ``part.lock`` held)."""
-        prefix = index_prefix(self.ns, partition_id)
-        listed: dict[str, tuple[str, int]] = {}
-        for line in lines:
-            if line.startswith(prefix):
-                parsed = parse_index_key(line, prefix)
-                if parsed is not None:
-                    listed[parsed[0]] = (line, parsed[1])
-        current = {pid: part.known[pid] for pid in listed if pid in part.known}
+        listed = part.lines.update(lines, index_prefix(self.ns, partition_id))
+        current = dict(part.known)
+        for pid in current.keys() - listed.keys():
+            del current[pid]
         unread = []
-        for pid, (key, size) in listed.items():
-            if pid in current:
-                continue
+        for pid in sorted(listed.keys() - current.keys()):
+            key, size = listed[pid]
             hinted = hints.get(key)  # names are unique and objects immutable: a listed hint is exact
             if hinted is not None:
                 current[pid] = hinted
