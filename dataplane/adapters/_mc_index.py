@@ -29,7 +29,7 @@ from urllib.parse import quote, unquote
 import msgpack
 import numpy as np
 
-from dataplane.adapters._slots import NONE, grown, lookup, merged_tags
+from dataplane.adapters._slots import NONE, add_keys, grown, lookup, merged_tags
 from dataplane.errors import BackendUnavailable, InvalidArgument, SchemaError
 from dataplane.schema import FieldSchema
 
@@ -345,10 +345,8 @@ class PartitionState:
         slots = lookup(self.rows, keys)
         fresh = np.flatnonzero(slots == NONE)
         if len(fresh):
-            slots[fresh] = np.arange(self._slots, self._slots + len(fresh))
+            add_keys(self.rows, keys, slots, fresh, np.arange(self._slots, self._slots + len(fresh)))
             self._slots += len(fresh)
-            new_keys = keys if len(fresh) == len(keys) else [keys[i] for i in fresh.tolist()]
-            self.rows.update(zip(new_keys, slots[fresh].tolist(), strict=True))
             have = len(next(iter(self._newest.values()))[0]) if self._newest else 0
             if self._slots > have:  # grow every field's columns (doubling)
                 size = max(self._slots, 2 * have, 1024)

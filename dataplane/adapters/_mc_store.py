@@ -756,7 +756,7 @@ class MooncakeStore(KVStore):
         if keys is None:
             lines = self._listing(deadline)
             with part.lock:
-                self._remove_listed(partition_id, lines)
+                self._remove_listed(partition_id, part, lines)
                 part.known, part.state = {}, PartitionState()
             self._forget(partition_id, part)
             return
@@ -791,22 +791,16 @@ class MooncakeStore(KVStore):
         if not known:
             self._forget(partition_id, part)
 
-    def _remove_listed(self, partition_id: str, lines: Sequence[str]) -> None:
+    def _remove_listed(self, partition_id: str, part: _Part, lines: Sequence[str]) -> None:
         """Remove every put of the partition that ``lines`` list: their index objects, then their data
         objects (see :meth:`_remove`), matched by put id; then data objects that no index names, of
         puts begun over 10 minutes ago (their writer died mid-put). A put listed only later (one
         racing this clear) is left whole: sweeping the partition's data by prefix could take the
         data of a put whose index lands between the two removals, leaving an index naming nothing."""
-        prefix = index_prefix(self.ns, partition_id)
-        index_keys, put_ids = [], []
-        for line in lines:
-            parsed = parse_index_key(line, prefix) if line.startswith(prefix) else None
-            if parsed is not None:
-                index_keys.append(line)
-                put_ids.append(parsed[0])
-        self._remove(index_keys)
+        listed = part.lines.update(lines, index_prefix(self.ns, partition_id))  # call with part.lock held
+        self._remove([key for key, _ in listed.values()])
         head = _literal(data_prefix(self.ns, partition_id))
-        ids = [_literal(pid) for pid in sorted(put_ids)]
+        ids = [_literal(pid) for pid in sorted(listed)]
         for at in range(0, len(ids), _IDS_PER_SWEEP):
             self.handle.remove_regex(f"^{head}({'|'.join(ids[at : at + _IDS_PER_SWEEP])})/")
         # data no index names: a writer died mid-put. Only puts begun long ago: a younger one may still

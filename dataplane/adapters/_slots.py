@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["NONE", "grown", "lookup", "merged_tags"]
+__all__ = ["NONE", "add_keys", "grown", "lookup", "merged_tags"]
 
 NONE = -1  # no put holds this field for this slot (or: a dead slot)
 
@@ -30,6 +30,14 @@ def lookup(rows: Mapping[str, int], keys: Sequence[str]) -> np.ndarray:
         return np.full(n, NONE, dtype=np.int64)
     get = rows.get
     return np.array([get(k, NONE) for k in keys], dtype=np.int64)
+
+
+def add_keys(rows: dict[str, int], keys: Sequence[str], slots: np.ndarray, fresh: np.ndarray, new: np.ndarray) -> None:
+    """Give the keys at positions ``fresh`` of ``keys`` (those :func:`lookup` found absent) the slots
+    ``new``: in ``slots`` (their lookup) and in ``rows``."""
+    slots[fresh] = new
+    new_keys = keys if len(fresh) == len(keys) else [keys[i] for i in fresh.tolist()]
+    rows.update(zip(new_keys, new.tolist(), strict=True))
 
 
 def grown(a: np.ndarray, size: int) -> np.ndarray:

@@ -20,7 +20,7 @@ from urllib.parse import parse_qs, urlparse
 import numpy as np
 import torch
 
-from dataplane.adapters._slots import NONE, grown, lookup, merged_tags
+from dataplane.adapters._slots import NONE, add_keys, grown, lookup, merged_tags
 from dataplane.bufpool import BufferPool, default_pool
 from dataplane.client import Capabilities, Listing
 from dataplane.codec.jagged import offsets_from_lengths
@@ -118,45 +118,41 @@ class _Partition:
                 (np.array(taken, dtype=np.int64), np.arange(self.slots, self.slots + len(fresh) - reuse))
             )
             self.slots += len(fresh) - reuse
-            slots[fresh] = new
-            new_keys = keys if len(fresh) == len(keys) else [keys[i] for i in fresh.tolist()]
-            self.rows.update(zip(new_keys, new.tolist(), strict=True))
+            add_keys(self.rows, keys, slots, fresh, new)
             for name, cols in self.cols.items():
                 if len(cols[0]) < self.slots:  # grow every field's columns (doubling)
                     size = max(self.slots, 2 * len(cols[0]))
                     self.cols[name] = (grown(cols[0], size), grown(cols[1], size), grown(cols[2], size))
         return slots
 
-    def superseded(self, slots: np.ndarray, fields: Iterable[str]) -> list[tuple[_Chunk, int]]:
-        """The chunks rows ``slots`` read ``fields`` from, each with how many of those rows."""
-        out: list[tuple[_Chunk, int]] = []
+    def superseded(self, slots: np.ndarray, fields: Iterable[str]) -> list[tuple[str, int, int]]:
+        """(field, block, how many of rows ``slots`` read ``field`` from that block's chunk)."""
+        out: list[tuple[str, int, int]] = []
         for f in fields:
             cols = self.cols.get(f)
             if cols is not None and len(slots):
                 blocks = cols[0][slots]
                 numbers, counts = np.unique(blocks[blocks != NONE], return_counts=True)
-                out += [(self.blocks[b][f], c) for b, c in zip(numbers.tolist(), counts.tolist(), strict=True)]
+                out += [(f, b, c) for b, c in zip(numbers.tolist(), counts.tolist(), strict=True)]
         return out
 
     def drop(self, slots: np.ndarray, fields: Iterable[str]) -> int:
         """Rows ``slots`` no longer read ``fields``; returns the bytes of chunks no row reads any more."""
         freed = 0
+        fields = list(fields)
+        for f, b, n in self.superseded(slots, fields):
+            chunks = self.blocks[b]
+            chunk = chunks[f]
+            chunk.live -= n
+            if chunk.live == 0:
+                freed += chunk.nbytes
+                del chunks[f]  # releases the buffer
+                if not chunks:
+                    del self.blocks[b]
         for f in fields:
             cols = self.cols.get(f)
-            if cols is None or not len(slots):
-                continue
-            blocks = cols[0][slots]
-            numbers, counts = np.unique(blocks[blocks != NONE], return_counts=True)
-            for b, n in zip(numbers.tolist(), counts.tolist(), strict=True):
-                chunks = self.blocks[b]
-                chunk = chunks[f]
-                chunk.live -= n
-                if chunk.live == 0:
-                    freed += chunk.nbytes
-                    del chunks[f]  # releases the buffer
-                    if not chunks:
-                        del self.blocks[b]
-            cols[0][slots] = NONE
+            if cols is not None:
+                cols[0][slots] = NONE
         return freed
 
     def forget(self, slots: np.ndarray) -> None:
@@ -315,7 +311,10 @@ class MemoryStore(KVStore):
                     f"this put adds {new_rows}. Clear consumed rows (kv_clear) or raise capacity_rows"
                 )
             if cfg.capacity_bytes is not None:
-                freed = 0 if part is None else sum(c.nbytes for c, n in part.superseded(held, columns) if n == c.live)
+                freed = 0
+                if part is not None:
+                    chunks_read = ((part.blocks[b][f], n) for f, b, n in part.superseded(held, columns))
+                    freed = sum(c.nbytes for c, n in chunks_read if n == c.live)
                 if self._bytes - freed + incoming > cfg.capacity_bytes:
                     raise CapacityExceeded(
                         f"memory store holds {self._bytes} of capacity_bytes={cfg.capacity_bytes} bytes; this put "
