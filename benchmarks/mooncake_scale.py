@@ -6,7 +6,9 @@ Mooncake offers: there is no prefix query), so their cost grows with everything 
 other jobs' objects, a KV cache sharing the master, this job's own unconsumed partitions. This
 benchmark fills the master with small foreign objects, level by level, and at each level times, in
 one process, interleaved: the bare listing, our put of an RL batch, our get of it by its meta from
-a second client, and raw Mooncake's ``batch_get_into`` of the same bytes (which lists nothing).
+a second client, a second put of the batch (new keys) into the same partition (which asks the master
+only whether the writer's first put is still there, not for its whole listing), and raw Mooncake's
+``batch_get_into`` of the same bytes (which lists nothing).
 
     python -m benchmarks.mooncake_scale                       # 0 / 1k / 10k / 50k objects, writes results
     python -m benchmarks.mooncake_scale --levels 0,200 --repeat 3 --out /tmp/s
@@ -59,7 +61,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for level in args.levels:
             _fill(raw, have, level)
             have = level
-            t: dict[str, list[float]] = {"listing": [], "put": [], "get": [], "raw_get": []}
+            t: dict[str, list[float]] = {"listing": [], "put": [], "get": [], "put_again": [], "raw_get": []}
             for i in range(args.warmup + args.repeat):
                 keep = i >= args.warmup
                 pid = f"scale{level}_{i}"
@@ -73,13 +75,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if not same_fields(got, batch.fields):
                     raise AssertionError(f"level {level}: the get did not return the batch bit-exact")
                 del got
+                again = [f"{k}/2" for k in batch.keys]
+                t4 = time.perf_counter()
+                meta2 = writer.kv_batch_put(again, batch.fields, partition_id=pid)
+                t5 = time.perf_counter()
+                if list(meta2.keys) != again or sorted(writer.kv_list(pid)[pid]) != sorted([*batch.keys, *again]):
+                    raise AssertionError(f"level {level}: the second put did not land beside the first")
                 writer.kv_clear(partition_id=pid)
                 raw_keys = [f"raw/{pid}/{n}" for n, _ in bufs]
                 raw.put(raw_keys)
                 raw_get_s = raw.get(raw_keys)
                 raw.remove(raw_keys)
                 if keep:
-                    for name, v in (("listing", t1 - t0), ("put", t2 - t1), ("get", t3 - t2), ("raw_get", raw_get_s)):
+                    for name, v in (
+                        ("listing", t1 - t0),
+                        ("put", t2 - t1),
+                        ("get", t3 - t2),
+                        ("put_again", t5 - t4),
+                        ("raw_get", raw_get_s),
+                    ):
                         t[name].append(v)
             results[str(level)] = {
                 "listed_keys": n_keys,
@@ -117,16 +131,18 @@ def to_markdown(report: dict[str, Any]) -> str:
         f"Batch: `make_batch({c['size_mb']} MB, {c['fields']} fields)`, {c['rows']} rows; one process, two clients "
         f"(writer, reader by meta) over shared memory; medians of {c['repeat']} after {c['warmup']} warm-up. "
         f"Other objects: {c['filler_bytes']}-byte objects under a foreign prefix, as another job or a KV cache "
-        "sharing the master would hold. `listing` is one `/get_all_keys` round trip; `raw_get` is raw "
-        "`batch_get_into` of the same bytes (lists nothing).",
+        "sharing the master would hold. `listing` is one `/get_all_keys` round trip; `put` is the first put "
+        "into a fresh partition (it lists), `put again` the writer's second put into it (new keys; it asks "
+        "only whether its first put is still there); `raw_get` is raw `batch_get_into` of the same bytes "
+        "(lists nothing).",
         "",
-        "| other objects | keys listed | listing ms | put ms | get ms | raw get ms |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| other objects | keys listed | listing ms | put ms | put again ms | get ms | raw get ms |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for level, r in report["results"].items():
         lines.append(
-            f"| {int(level):,} | {r['listed_keys']:,} | {r['listing_ms']:.2f} | {r['put_ms']:.2f} | {r['get_ms']:.2f} | "
-            f"{r['raw_get_ms']:.2f} |"
+            f"| {int(level):,} | {r['listed_keys']:,} | {r['listing_ms']:.2f} | {r['put_ms']:.2f} | "
+            f"{r['put_again_ms']:.2f} | {r['get_ms']:.2f} | {r['raw_get_ms']:.2f} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dataplane
@@ -101,6 +101,15 @@ def owner(request: pytest.FixtureRequest) -> Iterator[StoreClient]:
 @pytest.fixture(scope="module")
 def other(owner: StoreClient) -> Iterator[StoreClient]:
     """A second client of the same deployment (its own Mooncake client and caches)."""
+    c = dataplane.connect(owner.store.join_url)  # type: ignore[attr-defined]
+    assert isinstance(c, StoreClient)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def judge(owner: StoreClient) -> Iterator[StoreClient]:
+    """A third client that never writes: what its listing says of a partition's schema."""
     c = dataplane.connect(owner.store.join_url)  # type: ignore[attr-defined]
     assert isinstance(c, StoreClient)
     yield c
@@ -295,6 +304,114 @@ class TestMooncakeAdapter:
             assert sorted(other.kv_list("early")["early"]) == ["a", "b", "e"]  # the refused puts wrote nothing
         finally:
             other.kv_clear(partition_id="early")
+
+    def test_a_put_into_a_partition_it_wrote_before_asks_only_for_its_own_puts(
+        self, other: StoreClient, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The listing costs ~1 us per key in the master (anyone's): rows put one at a time made each
+        put list every earlier put. Once a client has put a field, its next put of that field with the
+        same schema asks only whether its own put is still there; a new field or another schema lists."""
+        pid, store = "mine", other.store
+        spy = _Spy(monkeypatch, store.admin, ["start_all_keys", "start_existing"])  # type: ignore[attr-defined]
+        try:
+            for i in range(4):
+                other.kv_batch_put([f"k{i}"], {"x": torch.full((1, 2), float(i))}, partition_id=pid)
+            assert spy.calls == {"start_all_keys": 1, "start_existing": 3}
+            other.kv_batch_put(["k4"], {"x": torch.ones(1, 2), "y": torch.ones(1)}, partition_id=pid)  # new field
+            assert spy.calls == {"start_all_keys": 2, "start_existing": 4}
+            with pytest.raises(SchemaError, match="'x'"):
+                other.kv_batch_put(["k5"], {"x": torch.ones(1, 3)}, partition_id=pid)
+            assert spy.calls == {"start_all_keys": 3, "start_existing": 5}
+            got = other.kv_batch_get([f"k{i}" for i in range(5)], partition_id=pid, select_fields="x")
+            assert got["x"][:, 0].tolist() == [0.0, 1.0, 2.0, 3.0, 1.0]
+        finally:
+            other.kv_clear(partition_id=pid)
+        other.kv_batch_put(["k"], {"x": torch.ones(1, 3)}, partition_id=pid)  # cleared: the schema is forgotten
+        other.kv_clear(partition_id=pid)
+
+    @pytest.mark.parametrize("clear", ["partition", "keys"])
+    def test_a_put_checks_the_listing_once_its_own_earlier_put_is_gone(
+        self, owner: StoreClient, other: StoreClient, clear: str
+    ) -> None:
+        """Another client clears this client's rows (the whole partition, or every row of its put, which
+        removes that put) and puts the field with another dtype: this client's next put of the old
+        dtype must raise, not land where readers would ignore it."""
+        pid = f"gone-{clear}"
+        try:
+            owner.kv_batch_put(["a", "b"], {"x": torch.zeros(2)}, partition_id=pid)
+            owner.kv_batch_put(["c"], {"x": torch.zeros(1)}, partition_id=pid)
+            if clear == "partition":
+                other.kv_clear(partition_id=pid)
+            else:
+                other.kv_clear(["a", "b", "c"], partition_id=pid)
+            other.kv_batch_put(["d"], {"x": torch.ones(1, dtype=torch.int8)}, partition_id=pid)
+            with pytest.raises(SchemaError, match="int8"):
+                owner.kv_batch_put(["e"], {"x": torch.zeros(1)}, partition_id=pid)
+            owner.kv_batch_put(["e"], {"x": torch.full((1,), 5, dtype=torch.int8)}, partition_id=pid)
+            assert other.kv_batch_get(["d", "e"], partition_id=pid, select_fields="x")["x"].tolist() == [1, 5]
+        finally:
+            other.kv_clear(partition_id=pid)
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(
+        ops=st.lists(
+            st.tuples(
+                st.integers(0, 1),  # which client
+                st.sampled_from(["put", "put", "put", "clear keys", "clear"]),
+                st.lists(st.sampled_from("abcd"), min_size=1, max_size=3, unique=True),
+                st.sampled_from(["x", "y"]),
+                st.sampled_from([torch.float32, torch.int8]),
+            ),
+            min_size=1,
+            max_size=10,
+        )
+    )
+    def test_a_put_is_refused_exactly_when_the_listing_says_so(
+        self, owner: StoreClient, other: StoreClient, judge: StoreClient, ops: list[tuple[Any, ...]]
+    ) -> None:
+        """Two clients put, clear rows and clear the partition in turn: each put is refused with
+        ``SchemaError`` exactly when a listing of the partition (taken by a client that never wrote
+        there) shows its field with another dtype, whether the put asked the listing or only whether
+        its client's own earlier put is still there."""
+        pid, store = f"judged-{random.getrandbits(32):08x}", judge.store
+        clients = [owner, other]
+        try:
+            for who, op, keys, field, dtype in ops:
+                if op == "clear":
+                    clients[who].kv_clear(partition_id=pid)
+                    continue
+                if op == "clear keys":
+                    clients[who].kv_clear(keys, partition_id=pid)
+                    continue
+                deadline = time.monotonic() + 30
+                part = store._part(pid)  # type: ignore[attr-defined]
+                with part.lock:
+                    listed = store._refresh(pid, part, store._listing(deadline), {}, deadline)  # type: ignore[attr-defined]
+                    known = listed.schema.get(field)
+                value = torch.ones(len(keys), dtype=dtype)
+                if known is not None and known.dtype != dtype:
+                    with pytest.raises(SchemaError):
+                        clients[who].kv_batch_put(keys, {field: value}, partition_id=pid)
+                else:
+                    clients[who].kv_batch_put(keys, {field: value}, partition_id=pid)
+        finally:
+            owner.kv_clear(partition_id=pid)
+
+    def test_the_existence_query_asks_the_master_for_the_keys_alone(self, owner: StoreClient) -> None:
+        store = owner.store  # type: ignore[attr-defined]
+        buf = owner.empty(8, torch.uint8)
+        keys = ["dataplane/q%2Fx/i/1.8", "dataplane/q/i/2.8"]  # a percent-encoded partition name
+        store._write(keys, [buf.data_ptr()] * 2, [8, 8], "q", time.monotonic() + 10)
+        try:
+            assert store.admin.start_existing([*keys, "dataplane/q/i/3.8"], 5.0)() == set(keys)
+            # never blocks past its time, and a failure answers "none" (the put then lists)
+            silent = _mc_handle.AdminClient("127.0.0.1", store.deployment.master.rpc_port)
+            t0 = time.monotonic()
+            assert silent.start_existing(keys, 0.5)() == set()
+            assert time.monotonic() - t0 < 5
+            silent.close()
+        finally:
+            store.handle.remove(keys)
 
     def test_index_bodies_go_out_from_reused_staging_buffers(self, owner: StoreClient) -> None:
         store = owner.store  # type: ignore[attr-defined]

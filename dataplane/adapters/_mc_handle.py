@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import logging
 import os
 import re
@@ -20,6 +21,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+from urllib.parse import quote
 
 import numpy as np
 
@@ -325,7 +327,8 @@ def _lines(body: bytes, keep: re.Pattern[bytes] | None) -> list[str]:
 
 
 class AdminClient:
-    """``GET /get_all_keys`` on the master's admin port over one keep-alive socket per thread.
+    """``GET /get_all_keys`` (and ``/batch_query_keys``) on the master's admin port over one
+    keep-alive socket per thread.
 
     A minimal HTTP/1.1 client (about 0.1 ms per call against 0.25 ms for ``http.client``): this
     listing is on the path of every put and get.
@@ -457,6 +460,33 @@ class AdminClient:
                 if self._closed:
                     raise ClientClosed("this Mooncake client is closed") from None
                 return self.all_keys(max(0.001, deadline - time.monotonic()), keep)
+
+        return answer
+
+    def start_existing(self, keys: Sequence[str], timeout_s: float) -> Callable[[], set[str]]:
+        """Ask which of ``keys`` exist now (``/batch_query_keys``: the master looks up only these,
+        however many keys it holds); the returned function waits for the answer. Any failure (an
+        older master without this endpoint included) answers "none": callers then take the listing.
+        Keys must not hold commas (the endpoint's separator); ours never do."""
+        deadline = time.monotonic() + timeout_s
+        query = ",".join(quote(k, safe="/") for k in keys)
+        request = f"GET /batch_query_keys?keys={query} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n\r\n"
+        try:
+            sock = self._sock(min(timeout_s, 30.0))
+            sock.sendall(request.encode())
+            self._local.pending = True
+        except OSError:
+            self._drop()
+            return set
+
+        def answer() -> set[str]:
+            try:
+                sock.settimeout(max(0.001, min(deadline - time.monotonic(), 30.0)))
+                found = json.loads(self._answer(sock))["data"]
+                return {k for k, v in found.items() if isinstance(v, dict) and v.get("ok") is True}
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                self._drop()
+                return set()
 
         return answer
 

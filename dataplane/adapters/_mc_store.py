@@ -2,7 +2,9 @@
 :mod:`dataplane.adapters._mc_index` through a guarded :class:`~dataplane.adapters._mc_handle.StoreHandle`.
 
 Round trips. A put: one listing of the master's keys (schema check against every writer's puts),
-then one ``batch_upsert_from`` carrying the data objects and the index object together. A get: one
+or, into a partition this client has put the same fields into before, one query whether its own
+latest puts of them are still there (see :meth:`MooncakeStore.put_started`); then one
+``batch_upsert_from`` carrying the data objects and the index object together. A get: one
 listing, then one ``batch_get_into`` (or ``get_into_ranges``) for the data, then one more listing:
 what was read is trusted only while the index of its put is still listed after the read (a clear
 removes index objects before data objects, and a clear may free an object mid-read for another put
@@ -124,6 +126,9 @@ class _Part:
     # of the same new field from another thread of this process is checked against them
     pending: dict[str, tuple[FieldSchema, int]] = dataclasses.field(default_factory=dict)
     lines: ListedPuts = dataclasses.field(default_factory=ListedPuts)  # the index lines last listed
+    # field -> (index key, schema) of this client's newest put holding it: while that index exists, a
+    # put of the field with that schema needs no listing (see put_started)
+    mine: dict[str, tuple[str, FieldSchema]] = dataclasses.field(default_factory=dict)
 
 
 @dataclass
@@ -302,14 +307,41 @@ class MooncakeStore(KVStore):
         return self.put_started(partition_id, timeout_s=timeout_s)(keys, columns, tags)
 
     def put_started(self, partition_id: str, *, timeout_s: float) -> PutRest:
-        """Ask for the listing (the schema check needs every writer's puts) before the client has
-        checked the put: the master answers while the client validates and encodes."""
+        """Ask the master for what the schema check needs before the client has checked the put (the
+        master answers while the client validates and encodes).
+
+        The schema check needs every writer's puts: a listing of the master's keys, which costs ~1 us
+        per key in the master, anyone's. Where this client has put into the partition before, it asks
+        instead whether its own newest puts of each field are still there (``/batch_query_keys``: a
+        few keys, whatever the master holds). A put of those fields with the same schemas then needs
+        no listing: a put that is still there passed the check when it was written, and a clear that
+        emptied the field since would have removed it (a put racing that first one with another
+        schema already lost, see :class:`PartitionState`). Anything else takes the listing."""
         deadline = time.monotonic() + timeout_s
-        listing = self._start_listing(deadline)
+        with self._parts_lock:
+            part = self._parts.get(partition_id)
+        mine: dict[str, tuple[str, FieldSchema]] = {}
+        if part is not None:
+            with part.lock:
+                mine = dict(part.mine)
+        if mine:
+            self.handle.check()  # closed or forked: fail before any I/O
+            existing = self.admin.start_existing(sorted({key for key, _ in mine.values()}), timeout_s)
+            listing = None
+        else:
+            existing, listing = None, self._start_listing(deadline)
 
         def rest(
             keys: Sequence[str], columns: Mapping[str, Column], tags: Sequence[Mapping[str, Any]] | None
         ) -> dict[str, Any]:
+            nonlocal listing
+            if existing is not None:
+                alive = existing()
+                for name, col in columns.items():
+                    key, schema = mine.get(name, ("", None))
+                    if schema != col.schema or key not in alive:
+                        listing = self._start_listing(deadline)
+                        break
             return self._put(partition_id, keys, columns, tags, listing, deadline)
 
         return rest
@@ -320,23 +352,26 @@ class MooncakeStore(KVStore):
         keys: Sequence[str],
         columns: Mapping[str, Column],
         tags: Sequence[Mapping[str, Any]] | None,
-        listing: Callable[[], list[str]],
+        listing: Callable[[], list[str]] | None,
         deadline: float,
     ) -> dict[str, Any]:
+        """Write the put, schema-checked against ``listing`` (None: already checked, see
+        :meth:`put_started`)."""
         planned = self._plan_put(partition_id, new_put_id(self.writer), keys, columns, tags)
-        lines = listing()
+        lines = None if listing is None else listing()
         part = self._part(partition_id)
         with part.lock:
-            state = self._refresh(partition_id, part, lines, {}, deadline)
-            for name, col in columns.items():
-                known = state.schema.get(name) or part.pending.get(name, (None, 0))[0]
-                if known is not None:
-                    check_compatible(partition_id, name, known, col.schema)
+            if lines is not None:
+                state = self._refresh(partition_id, part, lines, {}, deadline)
+                for name, col in columns.items():
+                    known = state.schema.get(name) or part.pending.get(name, (None, 0))[0]
+                    if known is not None:
+                        check_compatible(partition_id, name, known, col.schema)
             for name, col in columns.items():
                 schema, count = part.pending.get(name, (col.schema, 0))
                 part.pending[name] = (schema, count + 1)
         try:
-            return self._put_checked(part, partition_id, planned, deadline)
+            out = self._put_checked(part, partition_id, planned, deadline)
         finally:
             with part.lock:
                 for name in columns:
@@ -345,6 +380,10 @@ class MooncakeStore(KVStore):
                         part.pending[name] = (schema, count - 1)
                     else:
                         del part.pending[name]
+        with part.lock:
+            for name, col in columns.items():
+                part.mine[name] = (planned.index_key, col.schema)
+        return out
 
     def _plan_put(
         self,
@@ -757,7 +796,7 @@ class MooncakeStore(KVStore):
             lines = self._listing(deadline)
             with part.lock:
                 self._remove_listed(partition_id, part, lines)
-                part.known, part.state = {}, PartitionState()
+                part.known, part.state, part.mine = {}, PartitionState(), {}
             self._forget(partition_id, part)
             return
         lines = self._listing(deadline)
