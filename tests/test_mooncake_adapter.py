@@ -197,28 +197,27 @@ class TestMooncakeAdapter:
         rows = [torch.arange(n) for n in (3, 1, 4)]
         fields = {"ids": _jagged(rows), "r": torch.tensor([1.0, 2.0, 3.0]), "msg": ["a", "b", "c"]}
         store = other.store
-        spy_admin = _Spy(monkeypatch, store.admin, ["start_all_keys"])  # type: ignore[attr-defined]
+        spy_admin = _Spy(monkeypatch, store.admin, ["start_all_keys", "start_existing"])  # type: ignore[attr-defined]
         spy_mc = _Spy(monkeypatch, store.handle, ["put_from", "get_into", "get_ranges"])  # type: ignore[attr-defined]
         meta = owner.kv_batch_put(["a", "b", "c"], fields, partition_id="rt")
         try:
             out = other.kv_batch_get(meta, select_fields=["ids", "r", "msg"])  # by meta: data read + listing
             assert [r.tolist() for r in out["ids"].unbind()] == [r.tolist() for r in rows]
-            assert spy_admin.calls["start_all_keys"] == 1 and spy_mc.calls == {
-                "put_from": 0,
-                "get_into": 1,
-                "get_ranges": 0,
-            }
+            assert spy_admin.calls == {"start_all_keys": 1, "start_existing": 0}
+            assert spy_mc.calls == {"put_from": 0, "get_into": 1, "get_ranges": 0}
             meta2 = owner.kv_batch_put(["a", "b", "c"], {"adv": torch.zeros(3)}, partition_id="rt")
-            # by keys, an unseen put: listing, index read, listing (the index is trusted once still
-            # listed after its read), data read, listing (so is the data)
+            # by keys, an unseen put: listing, index read, query (the index is trusted once still
+            # there after its read), data read, query (so is the data)
             other.kv_batch_get(["a", "c"], partition_id="rt", select_fields=["adv", "r"])
-            assert spy_admin.calls["start_all_keys"] == 4 and spy_mc.calls["get_into"] == 3
-            other.kv_batch_get(["a", "c"], partition_id="rt", select_fields=["adv"])  # seen: listing, data, listing
-            assert spy_admin.calls["start_all_keys"] == 6 and spy_mc.calls["get_into"] == 4
+            assert spy_admin.calls == {"start_all_keys": 2, "start_existing": 2} and spy_mc.calls["get_into"] == 3
+            other.kv_batch_get(["a", "c"], partition_id="rt", select_fields=["adv"])  # seen: listing, data, query
+            assert spy_admin.calls == {"start_all_keys": 3, "start_existing": 3} and spy_mc.calls["get_into"] == 4
             other.kv_batch_get(meta2, select_fields=["adv"])  # steady state: data read + listing
-            assert spy_admin.calls["start_all_keys"] == 7 and spy_mc.calls["get_into"] == 5
+            assert spy_admin.calls == {"start_all_keys": 4, "start_existing": 3} and spy_mc.calls["get_into"] == 5
             other.kv_batch_put(["d"], {"r": torch.tensor([4.0])}, partition_id="rt")  # listing + one batch write
-            assert spy_admin.calls["start_all_keys"] == 8 and spy_mc.calls["put_from"] == 1
+            assert spy_admin.calls["start_all_keys"] == 5 and spy_mc.calls["put_from"] == 1
+            other.kv_batch_put(["e"], {"r": torch.tensor([5.0])}, partition_id="rt")  # its own put: query + write
+            assert spy_admin.calls == {"start_all_keys": 5, "start_existing": 4} and spy_mc.calls["put_from"] == 2
         finally:
             owner.kv_clear(partition_id="rt")
 
@@ -404,10 +403,10 @@ class TestMooncakeAdapter:
         store._write(keys, [buf.data_ptr()] * 2, [8, 8], "q", time.monotonic() + 10)
         try:
             assert store.admin.start_existing([*keys, "dataplane/q/i/3.8"], 5.0)() == set(keys)
-            # never blocks past its time, and a failure answers "none" (the put then lists)
+            # never blocks past its time, and a failure answers None (the caller then lists)
             silent = _mc_handle.AdminClient("127.0.0.1", store.deployment.master.rpc_port)
             t0 = time.monotonic()
-            assert silent.start_existing(keys, 0.5)() == set()
+            assert silent.start_existing(keys, 0.5)() is None
             assert time.monotonic() - t0 < 5
             silent.close()
         finally:
@@ -707,25 +706,29 @@ class TestMooncakeAdapter:
         assert [k for k in _all_keys(owner) if k.startswith("dataplane/orphans/")] == [keys[1]]
         store.handle.remove([keys[1]])  # type: ignore[attr-defined]
 
-    @pytest.mark.parametrize("how", ["by_meta", "by_meta_beside", "by_keys"])
+    @pytest.mark.parametrize("how", ["by_meta", "by_meta_beside", "by_keys", "by_keys_listing"])
     def test_a_read_whose_put_goes_under_it_is_not_trusted(
         self, owner: StoreClient, monkeypatch: pytest.MonkeyPatch, how: str
     ) -> None:
         """A clear may free an object while another client reads it, and a put may fill the space: the
         read then returns that put's bytes with no error. Here the partition is cleared and rewritten
         right after the read, and the read's buffers overwritten as the new put's bytes would: the get
-        must not return them, but read the rows again (by meta with the helper thread off and on)."""
+        must not return them, but read the rows again (by meta with the helper thread off and on; by
+        keys, where the check after the read asks for the puts' index objects, and where that query
+        fails, as on a master without it, and the check lists instead)."""
         pid = "under"
         meta = owner.kv_batch_put(["a", "b"], {"x": torch.zeros(2, 8)}, partition_id=pid)
         monkeypatch.setenv("DATAPLANE_DECODE_THREAD", "1" if how == "by_meta_beside" else "0")
         reader = dataplane.connect(owner.store.join_url)  # type: ignore[attr-defined]
-        if how == "by_keys":
+        if how == "by_keys_listing":
+            monkeypatch.setattr(reader.store.admin, "start_existing", lambda keys, timeout_s: lambda: None)  # type: ignore[attr-defined]
+        if how.startswith("by_keys"):
             reader.kv_batch_get(["a", "b"], partition_id=pid, select_fields="x")  # its index is now cached
         handle = reader.store.handle  # type: ignore[attr-defined]
         fired: list[list[str]] = []
         monkeypatch.setattr(handle, "get_into", _rewritten_after_read(owner, pid, handle.get_into, "/d/", fired))
         try:
-            if how == "by_keys":
+            if how.startswith("by_keys"):
                 got = reader.kv_batch_get(["a", "b"], partition_id=pid, select_fields="x")
             else:
                 got = reader.kv_batch_get(meta, select_fields="x")

@@ -463,10 +463,10 @@ class AdminClient:
 
         return answer
 
-    def start_existing(self, keys: Sequence[str], timeout_s: float) -> Callable[[], set[str]]:
+    def start_existing(self, keys: Sequence[str], timeout_s: float) -> Callable[[], set[str] | None]:
         """Ask which of ``keys`` exist now (``/batch_query_keys``: the master looks up only these,
-        however many keys it holds); the returned function waits for the answer. Any failure (an
-        older master without this endpoint included) answers "none": callers then take the listing.
+        however many keys it holds); the returned function waits for the answer, or returns None
+        where the query failed (an older master without this endpoint, say): callers then list.
         Keys must not hold commas (the endpoint's separator); ours never do."""
         deadline = time.monotonic() + timeout_s
         query = ",".join(quote(k, safe="/") for k in keys)
@@ -477,16 +477,16 @@ class AdminClient:
             self._local.pending = True
         except OSError:
             self._drop()
-            return set
+            return lambda: None
 
-        def answer() -> set[str]:
+        def answer() -> set[str] | None:
             try:
                 sock.settimeout(max(0.001, min(deadline - time.monotonic(), 30.0)))
                 found = json.loads(self._answer(sock))["data"]
                 return {k for k, v in found.items() if isinstance(v, dict) and v.get("ok") is True}
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 self._drop()
-                return set()
+                return None
 
         return answer
 

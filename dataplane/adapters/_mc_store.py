@@ -5,11 +5,12 @@ Round trips. A put: one listing of the master's keys (schema check against every
 or, into a partition this client has put the same fields into before, one query whether its own
 latest puts of them are still there (see :meth:`MooncakeStore.put_started`); then one
 ``batch_upsert_from`` carrying the data objects and the index object together. A get: one
-listing, then one ``batch_get_into`` (or ``get_into_ranges``) for the data, then one more listing:
-what was read is trusted only while the index of its put is still listed after the read (a clear
-removes index objects before data objects, and a clear may free an object mid-read for another put
-to fill). Index objects are immutable and cached, so only puts this process has not seen cost one
-more read (and a listing after it), and a get by the meta a put returned does not even pay that
+listing, then one ``batch_get_into`` (or ``get_into_ranges``) for the data, then one query whether
+the index objects of the puts read are still there (``/batch_query_keys``, a few keys however many
+the master holds): what was read is trusted only then (a clear removes index objects before data
+objects, and a clear may free an object mid-read for another put to fill). Index objects are
+immutable and cached, so only puts this process has not seen cost one more read (and a query after
+it), and a get by the meta a put returned does not even pay that
 (the meta carries the put's index in ``extra_info``; it is used only while the listing still shows
 that index, so a stale hint never returns stale data). When the get asks for exactly the meta's
 rows in order (the usual RL read), the read is issued first, from the meta's read hint alone, while
@@ -244,9 +245,9 @@ class MooncakeStore(KVStore):
 
     def _read_indexes(self, unread: list[tuple[str, str, int]], deadline: float) -> dict[str, PutIndex]:
         """The index objects ``unread`` (put id, key, size) that are still there, decoded. What was
-        read is decoded only once a listing asked for after the read still shows it (see
-        :meth:`_still_listed`): a clear may free an index object while it is read, and a put may fill
-        the space, so a removed index can read as another one's bytes."""
+        read is decoded only once it is still there after the read (see :meth:`_still_there`): a
+        clear may free an index object while it is read, and a put may fill the space, so a removed
+        index can read as another one's bytes."""
         buf = self.pool.empty(max(1, sum(size for _, _, size in unread))).numpy()
         base, at, ptrs = int(buf.ctypes.data), 0, []
         for _, _, size in unread:
@@ -267,20 +268,31 @@ class MooncakeStore(KVStore):
                 raise error_for(code, f"reading index object {key!r}")
         if not got:
             return {}
-        listed = set(self._listing(deadline))
+        there = self._existing([key for _, key, _, _ in got], deadline)
         return {
-            pid: decode_index(key, pid, buf[lo : lo + size].tobytes()) for pid, key, lo, size in got if key in listed
+            pid: decode_index(key, pid, buf[lo : lo + size].tobytes()) for pid, key, lo, size in got if key in there
         }
 
-    @staticmethod
-    def _still_listed(resolved: Mapping[str, Resolved], lines: Sequence[str]) -> bool:
-        """Whether ``lines``, a listing asked for after the rows of ``resolved`` were read, still shows
-        the index of every put they were read from. Only then are the bytes read trusted: a clear may
-        free an object while it is read and a put may fill its space. Index objects go before the
-        data objects they name (:meth:`_remove`), so an index still listed after the read means its
-        data objects were there throughout."""
+    def _still_there(self, resolved: Mapping[str, Resolved], deadline: float) -> bool:
+        """Whether the index of every put the rows of ``resolved`` were read from is still in the
+        store, asked after the read. Only then are the bytes read trusted: a clear may free an object
+        while it is read and a put may fill its space. Index objects go before the data objects they
+        name (:meth:`_remove`), so an index still there after the read means its data objects were
+        there throughout."""
         used = {p.key for res in resolved.values() for p in res.puts}
-        return used.issubset(lines)
+        return len(self._existing(sorted(used), deadline)) == len(used)
+
+    def _existing(self, keys: Sequence[str], deadline: float) -> set[str]:
+        """Which of ``keys`` the master holds now: asked for those keys alone (``/batch_query_keys``,
+        whatever else it holds), or found in a listing where that query fails."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DataPlaneTimeout("Mooncake call ran out of time; raise timeout_s")
+        self.handle.check()  # closed or forked: fail before any I/O
+        found = self.admin.start_existing(keys, left)()
+        if found is None:
+            found = set(self._listing(deadline))
+        return found.intersection(keys)
 
     def _listing(self, deadline: float) -> list[str]:
         return self._start_listing(deadline)()
@@ -336,7 +348,7 @@ class MooncakeStore(KVStore):
         ) -> dict[str, Any]:
             nonlocal listing
             if existing is not None:
-                alive = existing()
+                alive = existing() or set()
                 for name, col in columns.items():
                     key, schema = mine.get(name, ("", None))
                     if schema != col.schema or key not in alive:
@@ -535,8 +547,9 @@ class MooncakeStore(KVStore):
         is the partition's only one. When the store changed since that put, ``finish`` resolves
         afresh and keeps what it read if that put still holds the newest value of every row read (a
         later put of other fields, say), or reads again (new columns). Any other get lists, resolves
-        and plans here; ``finish`` reads, then lists again. Every read is trusted only once a
-        listing asked for after it still shows its put (:meth:`_still_listed`).
+        and plans here; ``finish`` reads, then asks whether the puts read are still there. Every
+        read is trusted only once its put is still there after it (:meth:`_still_there`; a listing
+        taken after the read shows that too).
         """
         deadline = time.monotonic() + timeout_s
         self.handle.check()  # closed or forked: fail before any I/O
@@ -562,7 +575,7 @@ class MooncakeStore(KVStore):
                 self.reader.run(ops, deadline)
             except Vanished:
                 planned.vanished = True
-            planned.listing = self._start_listing(deadline)  # asked for after the read: see _still_listed
+            planned.listing = self._start_listing(deadline)  # asked for after the read: see _still_there
 
         def plan() -> Mapping[str, Column] | None:
             try:
@@ -624,10 +637,9 @@ class MooncakeStore(KVStore):
                 fill(deadline)
             except Vanished:  # a concurrent clear removed an object: resolve and read again
                 return self._get_checked(partition_id, part, keys, fields, hints, deadline)
-            lines = self._listing(deadline)
-            if self._still_listed(resolved, lines):
+            if self._still_there(resolved, deadline):
                 return None
-            return self._get_checked(partition_id, part, keys, fields, hints, deadline, lines)
+            return self._get_checked(partition_id, part, keys, fields, hints, deadline)
 
         return lambda: cols, finish
 
@@ -728,8 +740,8 @@ class MooncakeStore(KVStore):
         resolved: dict[str, Resolved] | None = None,
     ) -> Mapping[str, Column]:
         """List (unless given the listing ``lines``), resolve (unless given what ``lines`` resolve to),
-        read, and keep what was read if a listing asked for after the read still shows every put it
-        came from (:meth:`_still_listed`); else again, from that listing."""
+        read, and keep what was read if every put it came from is still there after the read
+        (:meth:`_still_there`); else again."""
         for attempt in itertools.count():
             if attempt:  # the puts read were removed under the read: rows rewritten and cleared meanwhile
                 if time.monotonic() >= deadline:
@@ -750,10 +762,9 @@ class MooncakeStore(KVStore):
             except Vanished:
                 lines = resolved = None
                 continue
-            lines = self._listing(deadline)
-            if self._still_listed(resolved, lines):
+            if self._still_there(resolved, deadline):
                 return cols
-            resolved = None
+            lines = resolved = None
         raise AssertionError("unreachable")
 
     @staticmethod
@@ -854,8 +865,8 @@ class MooncakeStore(KVStore):
 
     def _remove(self, keys: list[str]) -> None:
         """Force-remove ``keys``: index objects first, then (once the master has dropped them) the data
-        objects. A reader trusts what it read only while the put's index is still listed after the
-        read (:meth:`_still_listed`), so no data object may go while its index can still be listed."""
+        objects. A reader trusts what it read only while the put's index is still there after the
+        read (:meth:`_still_there`), so no data object may go while its index can still be found."""
         index = [k for k in keys if is_index_key(k)]
         data = [k for k in keys if not is_index_key(k)]
         bad = [c for group in (index, data) if group for c in self.handle.remove(group) if c not in (0, NOT_FOUND)]
