@@ -207,6 +207,32 @@ def test_many_rows_benchmark_times_every_step_and_checks_its_reads() -> None:
     assert list(med) == list(STEPS) and min(med.values()) > 0
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "memory://",
+        pytest.param(
+            "mooncake://local?segment_bytes=64MiB",
+            marks=[
+                pytest.mark.mooncake,
+                pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake is not installed"),
+            ],
+        ),
+    ],
+)
+def test_single_row_puts_benchmark_times_each_block_and_reads_every_row(url: str) -> None:
+    """The streaming benchmark reads every row back (raising on a mismatch) and clears after itself."""
+    from benchmarks.results.single_row_puts import stream
+
+    client = dataplane.connect(url)
+    try:
+        per = stream(client, 30, 3, block=10)
+        assert len(per) == 3 and min(per) > 0
+        assert client.kv_list("stream") == {}
+    finally:
+        client.close()
+
+
 def _run_results_bench(module: str, out: Path, args: str) -> None:
     """``python -m benchmarks.<module> ARGS --out OUT`` (a results benchmark: writes OUT.json and OUT.md)."""
     cmd = [sys.executable, "-m", f"benchmarks.{module}", *args.split(), "--out", str(out)]

@@ -34,23 +34,30 @@ and within -7% and +13% at 16 and 128 MB, but would make every get of some of th
 read (~40 us per range). The index object costs nothing measurable.
 
 Round trips. A put: one listing of the master's keys (``/get_all_keys`` on its admin port, ~0.1 ms:
-the schema check against every writer) plus one batch write. A get: one listing, one batch read
-that lands directly in pooled, registered buffers which become the returned tensors (the rows of one
-put, in order), or that reads whole objects / merged row ranges (whichever the cost model says is
-cheaper) and gathers locally, then one more listing: the bytes read are kept only while every put
-they came from is still listed after the read. (A clear removes objects a read may be in the middle
-of, and Mooncake may hand the space to another put at once, so a read can return another object's
-bytes with no error; clears remove index objects before the data they name, so an index still
-listed after the read vouches for its data.) Index objects are immutable and cached (one read of a
-put not seen before, trusted the same way); a put returns its index in
-``meta.extra_info["mooncake_index"]``, so a get by that meta in another process needs no index read
-either (the hint is used only while the listing still shows it: a stale hint never returns stale
-data), and a read hint in ``meta.extra_info["mooncake_read"]`` (the put's objects and sizes), so such
-a get issues its read first, then its one listing, and decodes the index meanwhile (on a helper
-thread beside the read where the host has the cores, ``DATAPLANE_DECODE_THREAD``).
+the schema check against every writer) plus one batch write. A client's later puts of the same
+fields (same dtypes) into that partition skip the listing: they ask the master only whether the
+client's own latest put of each field is still there (``/batch_query_keys``, a few keys). A put
+still there passed the check when it was written, and a clear that emptied the field since would
+have removed it; anything else (a new field, another dtype, the put gone) lists. A get: one
+listing, one batch read that lands directly in pooled, registered buffers which become the returned
+tensors (the rows of one put, in order), or that reads whole objects / merged row ranges (whichever
+the cost model says is cheaper) and gathers locally, then one query: the bytes read are kept only
+while the index object of every put they came from is still there after the read. (A clear
+removes objects a read may be in the middle of, and Mooncake may hand the space to another put at
+once, so a read can return another object's bytes with no error; clears remove index objects
+before the data they name, so an index still there after the read vouches for its data.) Index
+objects are immutable and cached (one read of a put not seen before, trusted the same way); a put
+returns its index in ``meta.extra_info["mooncake_index"]``, so a get by that meta in another
+process needs no index read either (the hint is used only while the listing still shows it: a
+stale hint never returns stale data), and a read hint in ``meta.extra_info["mooncake_read"]`` (the
+put's objects and sizes), so such a get issues its read first, then its one listing (which both
+vouches for the read and shows whether other puts came since), and decodes the index meanwhile (on
+a helper thread beside the read where the host has the cores, ``DATAPLANE_DECODE_THREAD``).
+Where the master lacks ``/batch_query_keys``, the queries fall back to listings.
 Listing costs grow with the number of keys in the master, anyone's (~1 us per key: 10,000 keys add
-~8 ms to every put and get, ``python -m benchmarks.mooncake_scale``), so give dataplane a master of
-its own rather than one shared with, say, an inference engine's KV cache.
+~5-9 ms to every get and to a client's first put into a partition, ``python -m
+benchmarks.mooncake_scale``), so give dataplane a master of its own rather than one shared with,
+say, an inference engine's KV cache.
 
 Rules this adapter relies on:
 
@@ -62,7 +69,7 @@ Rules this adapter relies on:
   objects until a clear touches the partition. ``kv_clear(partition_id=...)`` removes the puts its
   listing shows (a put racing it stays whole) and data left by writers that died mid-put over 10
   minutes before. Removal is forced (every read takes a 10 s lease that would block it), which is
-  why reads check the listing after reading.
+  why reads check after reading that what they read is still there.
 * Never ``fork()`` a process holding a client: the child gets ``BackendUnavailable``. Use ``spawn``.
 * ``timeout_s`` bounds our retries and the listing; a Mooncake transfer itself cannot be interrupted
   (its engine gives up after 60 s). After a store server dies its rows read as ``BackendUnavailable``
