@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import dataplane
 from dataplane import store as store_module
-from dataplane.adapters import _mc_handle
+from dataplane.adapters import _mc_handle, _mc_store
 from dataplane.adapters._mc_index import PartitionState
 from dataplane.adapters._mc_store import _STAGE_BYTES, HINT_KEY, _ids_before
 from dataplane.adapters.mooncake import MooncakeConfig, parse_bytes
@@ -197,6 +197,7 @@ class TestMooncakeAdapter:
         rows = [torch.arange(n) for n in (3, 1, 4)]
         fields = {"ids": _jagged(rows), "r": torch.tensor([1.0, 2.0, 3.0]), "msg": ["a", "b", "c"]}
         store = other.store
+        monkeypatch.setattr(_mc_store, "_QUERY_COST", 0)  # the check after a read queries, however few keys are listed
         spy_admin = _Spy(monkeypatch, store.admin, ["start_all_keys", "start_existing"])  # type: ignore[attr-defined]
         spy_mc = _Spy(monkeypatch, store.handle, ["put_from", "get_into", "get_ranges"])  # type: ignore[attr-defined]
         meta = owner.kv_batch_put(["a", "b", "c"], fields, partition_id="rt")
@@ -393,6 +394,25 @@ class TestMooncakeAdapter:
                         clients[who].kv_batch_put(keys, {field: value}, partition_id=pid)
                 else:
                     clients[who].kv_batch_put(keys, {field: value}, partition_id=pid)
+        finally:
+            owner.kv_clear(partition_id=pid)
+
+    def test_the_check_after_a_read_queries_only_where_that_costs_less_than_a_listing(
+        self, owner: StoreClient, other: StoreClient, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The master answers a query ~7x slower per key it names than a listing per key it holds: a
+        read from a few puts asks for their index objects, a read from most puts in the master lists."""
+        pid = "query-or-list"
+        spy = _Spy(monkeypatch, other.store.admin, ["start_all_keys", "start_existing"])  # type: ignore[attr-defined]
+        try:
+            for i in range(24):
+                owner.kv_batch_put([f"k{i}"], {"x": torch.full((1,), float(i))}, partition_id=pid)
+            got = other.kv_batch_get([f"k{i}" for i in range(24)], partition_id=pid, select_fields="x")
+            assert got["x"].tolist() == [float(i) for i in range(24)]
+            # listing; 24 index reads checked by listing (48+ keys in the master); data checked by listing
+            assert spy.calls == {"start_all_keys": 3, "start_existing": 0}
+            assert other.kv_batch_get(["k3"], partition_id=pid, select_fields="x")["x"].tolist() == [3.0]
+            assert spy.calls == {"start_all_keys": 4, "start_existing": 1}  # listing; one put: a query
         finally:
             owner.kv_clear(partition_id=pid)
 
@@ -720,6 +740,7 @@ class TestMooncakeAdapter:
         meta = owner.kv_batch_put(["a", "b"], {"x": torch.zeros(2, 8)}, partition_id=pid)
         monkeypatch.setenv("DATAPLANE_DECODE_THREAD", "1" if how == "by_meta_beside" else "0")
         reader = dataplane.connect(owner.store.join_url)  # type: ignore[attr-defined]
+        monkeypatch.setattr(_mc_store, "_QUERY_COST", 0)  # the check queries, however few keys are listed
         if how == "by_keys_listing":
             monkeypatch.setattr(reader.store.admin, "start_existing", lambda keys, timeout_s: lambda: None)  # type: ignore[attr-defined]
         if how.startswith("by_keys"):

@@ -341,6 +341,7 @@ class AdminClient:
         self._all: list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = False
+        self.listed = 0  # keys in the master at the last listing (anyone's): what one costs
 
     def _sock(self, timeout_s: float) -> socket.socket:
         if getattr(self._local, "pending", False):  # an answer was never read (its caller raised): start afresh
@@ -454,7 +455,7 @@ class AdminClient:
         def answer() -> list[str]:
             try:
                 sock.settimeout(max(0.001, min(deadline - time.monotonic(), 30.0)))
-                return _lines(self._answer(sock), keep)
+                return self._listed(self._answer(sock), keep)
             except (OSError, ValueError):
                 self._drop()
                 if self._closed:
@@ -462,6 +463,10 @@ class AdminClient:
                 return self.all_keys(max(0.001, deadline - time.monotonic()), keep)
 
         return answer
+
+    def _listed(self, body: bytes, keep: re.Pattern[bytes] | None) -> list[str]:
+        self.listed = body.count(b"\n")
+        return _lines(body, keep)
 
     def start_existing(self, keys: Sequence[str], timeout_s: float) -> Callable[[], set[str] | None]:
         """Ask which of ``keys`` exist now (``/batch_query_keys``: the master looks up only these,
@@ -498,7 +503,7 @@ class AdminClient:
             if left <= 0:
                 break
             try:
-                return _lines(self._get(min(left, 30.0)), keep)
+                return self._listed(self._get(min(left, 30.0)), keep)
             except (OSError, ValueError) as e:
                 last = e
                 self._drop()

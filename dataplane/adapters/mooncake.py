@@ -41,8 +41,9 @@ still there passed the check when it was written, and a clear that emptied the f
 have removed it; anything else (a new field, another dtype, the put gone) lists. A get: one
 listing, one batch read that lands directly in pooled, registered buffers which become the returned
 tensors (the rows of one put, in order), or that reads whole objects / merged row ranges (whichever
-the cost model says is cheaper) and gathers locally, then one query: the bytes read are kept only
-while the index object of every put they came from is still there after the read. (A clear
+the cost model says is cheaper) and gathers locally, then one query (or a listing, where the rows
+came from so many puts that it costs less): the bytes read are kept only while the index object of
+every put they came from is still there after the read. (A clear
 removes objects a read may be in the middle of, and Mooncake may hand the space to another put at
 once, so a read can return another object's bytes with no error; clears remove index objects
 before the data they name, so an index still there after the read vouches for its data.) Index
