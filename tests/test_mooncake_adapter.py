@@ -403,13 +403,15 @@ class TestMooncakeAdapter:
         """The master answers a query ~7x slower per key it names than a listing per key it holds: a
         read from a few puts asks for their index objects, a read from most puts in the master lists."""
         pid = "query-or-list"
+        # enough single-row puts (an index and a data object each) to be most of what the master holds
+        n = max(24, len(_all_keys(owner)) // (_mc_store._QUERY_COST - 2) + 1)
         spy = _Spy(monkeypatch, other.store.admin, ["start_all_keys", "start_existing"])  # type: ignore[attr-defined]
         try:
-            for i in range(24):
+            for i in range(n):
                 owner.kv_batch_put([f"k{i}"], {"x": torch.full((1,), float(i))}, partition_id=pid)
-            got = other.kv_batch_get([f"k{i}" for i in range(24)], partition_id=pid, select_fields="x")
-            assert got["x"].tolist() == [float(i) for i in range(24)]
-            # listing; 24 index reads checked by listing (48+ keys in the master); data checked by listing
+            got = other.kv_batch_get([f"k{i}" for i in range(n)], partition_id=pid, select_fields="x")
+            assert got["x"].tolist() == [float(i) for i in range(n)]
+            # listing; n index reads checked by a listing; the data read from n puts, by a listing
             assert spy.calls == {"start_all_keys": 3, "start_existing": 0}
             assert other.kv_batch_get(["k3"], partition_id=pid, select_fields="x")["x"].tolist() == [3.0]
             assert spy.calls == {"start_all_keys": 4, "start_existing": 1}  # listing; one put: a query
