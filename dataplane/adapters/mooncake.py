@@ -56,7 +56,7 @@ vouches for the read and shows whether other puts came since), and decodes the i
 a helper thread beside the read where the host has the cores, ``DATAPLANE_DECODE_THREAD``).
 Where the master lacks ``/batch_query_keys``, the queries fall back to listings.
 Listing costs grow with the number of keys in the master, anyone's (~1 us per key: 10,000 keys add
-~5-9 ms to every get and to a client's first put into a partition, ``python -m
+~3-9 ms to every get and to a client's first put into a partition, ``python -m
 benchmarks.mooncake_scale``), so give dataplane a master of its own rather than one shared with,
 say, an inference engine's KV cache.
 
