@@ -324,6 +324,13 @@ class TestMooncakeAdapter:
             assert spy.calls == {"start_all_keys": 3, "start_existing": 5}
             got = other.kv_batch_get([f"k{i}" for i in range(5)], partition_id=pid, select_fields="x")
             assert got["x"][:, 0].tolist() == [0.0, 1.0, 2.0, 3.0, 1.0]
+            # a master that cannot answer the query (an older one): every put lists, and still checks
+            monkeypatch.setattr(store.admin, "start_existing", lambda keys, timeout_s: lambda: None)  # type: ignore[attr-defined]
+            listings = spy.calls["start_all_keys"]
+            other.kv_batch_put(["k6"], {"x": torch.ones(1, 2)}, partition_id=pid)
+            with pytest.raises(SchemaError, match="'x'"):
+                other.kv_batch_put(["k7"], {"x": torch.ones(1, 3)}, partition_id=pid)
+            assert spy.calls["start_all_keys"] == listings + 2
         finally:
             other.kv_clear(partition_id=pid)
         other.kv_batch_put(["k"], {"x": torch.ones(1, 3)}, partition_id=pid)  # cleared: the schema is forgotten
