@@ -422,6 +422,9 @@ class TestMooncakeAdapter:
             assert spy.calls == {"start_all_keys": 3, "start_existing": 0}
             assert other.kv_batch_get(["k3"], partition_id=pid, select_fields="x")["x"].tolist() == [3.0]
             assert spy.calls == {"start_all_keys": 4, "start_existing": 1}  # listing; one put: a query
+            monkeypatch.setattr(_mc_store, "_QUERY_MAX_KEYS", 0)  # more names than one query takes: a listing
+            assert other.kv_batch_get(["k4"], partition_id=pid, select_fields="x")["x"].tolist() == [4.0]
+            assert spy.calls == {"start_all_keys": 6, "start_existing": 1}
         finally:
             owner.kv_clear(partition_id=pid)
 

@@ -97,6 +97,7 @@ _STAGE_BYTES = 64 << 10  # staging buffer of index bodies (one of 4096 rows with
 # what the master's answer to a query costs per key it names, in keys it would list instead: ~3.6 us
 # against ~0.5 us (2-core VM, 5,000 keys either way)
 _QUERY_COST = 8
+_QUERY_MAX_KEYS = 4096  # names per query (its URL holds them all: ~70 bytes each; 5,000 were fine)
 
 
 def _address(body: bytes) -> int:
@@ -295,7 +296,7 @@ class MooncakeStore(KVStore):
             raise DataPlaneTimeout("Mooncake call ran out of time; raise timeout_s")
         self.handle.check()  # closed or forked: fail before any I/O
         found = None
-        if len(keys) * _QUERY_COST < self.admin.listed:
+        if len(keys) <= _QUERY_MAX_KEYS and len(keys) * _QUERY_COST < self.admin.listed:
             found = self.admin.start_existing(keys, left)()
         if found is None:
             found = set(self._listing(deadline))
