@@ -19,6 +19,14 @@ import dataplane
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _mooncake(url: str) -> Any:
+    """``url`` as a parameter that needs Mooncake (marked, and skipped with the reason where absent)."""
+    missing = importlib.util.find_spec("mooncake") is None
+    return pytest.param(
+        url, marks=[pytest.mark.mooncake, pytest.mark.skipif(missing, reason="Mooncake is not installed")]
+    )
+
+
 def test_readme_example_runs() -> None:
     text = (ROOT / "README.md").read_text()
     block = re.search(r"```python\n(import torch, dataplane.*?)```", text, re.S)
@@ -170,19 +178,7 @@ def test_mooncake_layout_benchmark_times_every_layout_and_checks_its_reads(tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "url",
-    [
-        "memory://",
-        pytest.param(
-            "mooncake://local?segment_bytes=256MiB&shm=false",
-            marks=[
-                pytest.mark.mooncake,
-                pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake is not installed"),
-            ],
-        ),
-    ],
-)
+@pytest.mark.parametrize("url", ["memory://", _mooncake("mooncake://local?segment_bytes=256MiB&shm=false")])
 def test_rank_rows_benchmark_checks_every_kind_of_read(tmp_path: Path, url: str) -> None:
     """The rank-read benchmark checks its whole and per-rank reads bit-exact (raising inside) and
     reports each rank's read against the whole one."""
@@ -207,19 +203,7 @@ def test_many_rows_benchmark_times_every_step_and_checks_its_reads() -> None:
     assert list(med) == list(STEPS) and min(med.values()) > 0
 
 
-@pytest.mark.parametrize(
-    "url",
-    [
-        "memory://",
-        pytest.param(
-            "mooncake://local?segment_bytes=64MiB",
-            marks=[
-                pytest.mark.mooncake,
-                pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake is not installed"),
-            ],
-        ),
-    ],
-)
+@pytest.mark.parametrize("url", ["memory://", _mooncake("mooncake://local?segment_bytes=64MiB")])
 def test_single_row_puts_benchmark_times_each_block_and_reads_every_row(url: str) -> None:
     """The streaming benchmark reads every row back (raising on a mismatch) and clears after itself."""
     from benchmarks.results.single_row_puts import stream

@@ -439,23 +439,35 @@ class AdminClient:
             self._drop()
         return body
 
+    def _send(self, request: bytes, timeout_s: float) -> socket.socket | None:
+        """Send ``request`` on this thread's socket (its answer to be read by :meth:`_wait`), or None
+        where that failed (the socket is dropped)."""
+        try:
+            sock = self._sock(min(timeout_s, 30.0))
+            sock.sendall(request)
+        except OSError:
+            self._drop()
+            return None
+        self._local.pending = True
+        return sock
+
+    def _wait(self, sock: socket.socket, deadline: float) -> bytes:
+        """The body of the answer :meth:`_send` asked for, by ``deadline``."""
+        sock.settimeout(max(0.001, min(deadline - time.monotonic(), 30.0)))
+        return self._answer(sock)
+
     def start_all_keys(self, timeout_s: float, keep: re.Pattern[bytes] | None = None) -> Callable[[], list[str]]:
         """Send the listing request now and return a function that reads the answer: the master
         answers while the caller does other work. Any failure falls back to :meth:`all_keys`.
         ``keep``: only the keys this pattern's group 1 finds (see :func:`_lines`)."""
         deadline = time.monotonic() + timeout_s
-        try:
-            sock = self._sock(min(timeout_s, 30.0))
-            sock.sendall(self._request)
-            self._local.pending = True
-        except OSError:
-            self._drop()
+        sock = self._send(self._request, timeout_s)
+        if sock is None:
             return lambda: self.all_keys(max(0.001, deadline - time.monotonic()), keep)
 
         def answer() -> list[str]:
             try:
-                sock.settimeout(max(0.001, min(deadline - time.monotonic(), 30.0)))
-                return self._listed(self._answer(sock), keep)
+                return self._listed(self._wait(sock, deadline), keep)
             except (OSError, ValueError):
                 self._drop()
                 if self._closed:
@@ -476,18 +488,13 @@ class AdminClient:
         deadline = time.monotonic() + timeout_s
         query = ",".join(quote(k, safe="/") for k in keys)
         request = f"GET /batch_query_keys?keys={query} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n\r\n"
-        try:
-            sock = self._sock(min(timeout_s, 30.0))
-            sock.sendall(request.encode())
-            self._local.pending = True
-        except OSError:
-            self._drop()
+        sock = self._send(request.encode(), timeout_s)
+        if sock is None:
             return lambda: None
 
         def answer() -> set[str] | None:
             try:
-                sock.settimeout(max(0.001, min(deadline - time.monotonic(), 30.0)))
-                found = json.loads(self._answer(sock))["data"]
+                found = json.loads(self._wait(sock, deadline))["data"]
                 return {k for k, v in found.items() if isinstance(v, dict) and v.get("ok") is True}
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 self._drop()

@@ -291,13 +291,9 @@ class MooncakeStore(KVStore):
         """Which of ``keys`` the master holds now: asked for those keys alone (``/batch_query_keys``,
         whatever else it holds), or found in a listing where that is cheaper (the master answers a
         query ~7x slower per key than a listing per key it lists) or the query fails."""
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise DataPlaneTimeout("Mooncake call ran out of time; raise timeout_s")
-        self.handle.check()  # closed or forked: fail before any I/O
         found = None
         if len(keys) <= _QUERY_MAX_KEYS and len(keys) * _QUERY_COST < self.admin.listed:
-            found = self.admin.start_existing(keys, left)()
+            found = self.admin.start_existing(keys, self._time_left(deadline))()
         if found is None:
             found = set(self._listing(deadline))
         return found.intersection(keys)
@@ -308,11 +304,15 @@ class MooncakeStore(KVStore):
     def _start_listing(self, deadline: float) -> Callable[[], list[str]]:
         """Ask the master for its keys now; the returned function waits for the answer (so the
         caller's own work overlaps the master's, with no thread to contend for the GIL)."""
+        return self.admin.start_all_keys(self._time_left(deadline), self._index_lines)
+
+    def _time_left(self, deadline: float) -> float:
+        """Seconds to ``deadline`` for a call to the master; raises when closed, forked or out of time."""
         self.handle.check()  # closed or forked: fail before any I/O
         left = deadline - time.monotonic()
         if left <= 0:
             raise DataPlaneTimeout("Mooncake call ran out of time; raise timeout_s")
-        return self.admin.start_all_keys(left, self._index_lines)
+        return left
 
     # -- put -------------------------------------------------------------------------------------
     def put(
@@ -345,8 +345,7 @@ class MooncakeStore(KVStore):
             with part.lock:
                 mine = dict(part.mine)
         if mine:
-            self.handle.check()  # closed or forked: fail before any I/O
-            existing = self.admin.start_existing(sorted({key for key, _ in mine.values()}), timeout_s)
+            existing = self.admin.start_existing(sorted({key for key, _ in mine.values()}), self._time_left(deadline))
             listing = None
         else:
             existing, listing = None, self._start_listing(deadline)
