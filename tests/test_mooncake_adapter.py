@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import dataplane
 from dataplane import store as store_module
-from dataplane.adapters import _mc_handle, _mc_store
+from dataplane.adapters import _mc_handle, _mc_read, _mc_store
 from dataplane.adapters._mc_index import PartitionState
 from dataplane.adapters._mc_store import _STAGE_BYTES, HINT_KEY, _ids_before
 from dataplane.adapters.mooncake import MooncakeConfig, parse_bytes
@@ -642,6 +642,67 @@ class TestMooncakeAdapter:
             assert gets >= 20  # the run compared real reads, not only misses
         finally:
             owner.kv_clear(partition_id="fuzz")
+            mem.close()
+
+    def test_rows_put_one_at_a_time_are_read_in_place_in_any_order(
+        self, owner: StoreClient, other: StoreClient, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Rows streamed in one put each (an asynchronous rollout worker), some of them empty, then
+        read by keys in a shuffled order, beside rows of a batch put: each streamed row's object of a
+        field is read whole, straight where it lands (no staging copy), and the result is what
+        ``memory://`` gives."""
+        rng = random.Random(3)
+        gen = torch.Generator().manual_seed(3)
+        mem = dataplane.connect("memory://")
+        pid = "stream"
+        try:
+            for i in range(40):
+                n = 0 if i % 7 == 3 else rng.randint(1, 300)
+                row = {
+                    "ids": _jagged([torch.randint(0, 9, (n,), generator=gen)]),
+                    "lp": _jagged([torch.randn(n, 2, generator=gen).to(torch.bfloat16)]),
+                    "r": torch.tensor([float(i)]),
+                    "msg": [f"m{i}" * (i % 3)],
+                }
+                owner.kv_batch_put([f"s{i}"], row, partition_id=pid)
+                mem.kv_batch_put([f"s{i}"], row, partition_id=pid)
+            batch = {
+                "ids": _jagged([torch.arange(5), torch.arange(0)]),
+                "lp": _jagged([torch.ones(5, 2, dtype=torch.bfloat16), torch.ones(0, 2, dtype=torch.bfloat16)]),
+                "r": torch.tensor([-1.0, -2.0]),
+                "msg": ["x", "y"],
+            }
+            # rows of two puts that lie back to back both in the result and in the objects: "p1" ends
+            # where "q1" (jagged) and "q2" (dense) start in theirs, and each lands right after it
+            p_rows = {"ids": _jagged([torch.arange(2), torch.arange(3)]), "r": torch.tensor([1.0, 2.0])}
+            q_rows = {"ids": _jagged([torch.arange(5) + 10, torch.arange(4) + 20, torch.arange(1)]), "r": torch.arange(3.0)}
+            for c in (owner, mem):
+                c.kv_batch_put(["b0", "b1"], batch, partition_id=pid)
+                c.kv_batch_put(["p0", "p1"], p_rows, partition_id="pq")
+                c.kv_batch_put(["q0", "q1", "q2"], q_rows, partition_id="pq")
+            for ks in (["p0", "p1", "q1"], ["p0", "p1", "q2"]):
+                a = other.kv_batch_get(ks, partition_id="pq", select_fields=["ids", "r"])
+                b = mem.kv_batch_get(ks, partition_id="pq", select_fields=["ids", "r"])
+                assert bit_exact(a["r"], b["r"]) and bit_exact(a["ids"].values(), b["ids"].values()), ks
+            keys = [f"s{i}" for i in range(40)]
+            rng.shuffle(keys)
+            gathers: list[Any] = []
+            real_copy = _mc_read.copy_spans
+            monkeypatch.setattr(_mc_read, "copy_spans", lambda *a: (gathers.append(a), real_copy(*a)))
+            fields = ["ids", "lp", "r", "msg"]
+            got = other.kv_batch_get(keys, partition_id=pid, select_fields=fields)
+            assert gathers == []  # every row was its object, read in place
+            mixed = [*keys[:10], "b1", *keys[10:20], "b0"]
+            want = mem.kv_batch_get(mixed, partition_id=pid, select_fields=fields)
+            got_mixed = other.kv_batch_get(mixed, partition_id=pid, select_fields=fields)
+            for out, ks in ((got, keys), (got_mixed, mixed)):
+                ref = want if ks is mixed else mem.kv_batch_get(ks, partition_id=pid, select_fields=fields)
+                assert out["msg"] == ref["msg"] and bit_exact(out["r"], ref["r"])
+                for f in ("ids", "lp"):
+                    assert bit_exact(out[f].offsets(), ref[f].offsets()) and bit_exact(out[f].values(), ref[f].values())
+        finally:
+            owner.kv_clear(partition_id=pid)
+            owner.kv_clear(partition_id="pq")
             mem.close()
 
     def test_batches_are_chunked(self, owner: StoreClient, other: StoreClient, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -91,6 +91,14 @@ def data_key(head: str, put_id: str, field: str) -> str:
     return f"{head}d/{put_id}/{_token(field)}"
 
 
+def data_keys(puts: Sequence[PutIndex], field: str) -> list[str]:
+    """:meth:`PutIndex.data_key` of ``field`` for each of ``puts`` (of one partition), in one pass."""
+    if not puts:
+        return []
+    head, token = puts[0].key[: puts[0].key.rindex("/i/") + 1], _token(field)
+    return [f"{head}d/{p.put_id}/{token}" for p in puts]
+
+
 def data_prefix(ns: str, partition_id: str) -> str:
     """What every data object of the partition begins with (:func:`data_key`)."""
     return f"{partition_prefix(ns, partition_id)}d/"

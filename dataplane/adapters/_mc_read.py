@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from dataplane.adapters._mc_handle import NOT_FOUND, NOT_READY, TRANSIENT, StoreHandle, error_for
-from dataplane.adapters._mc_index import PutIndex, Resolved
+from dataplane.adapters._mc_index import PutIndex, Resolved, data_keys
 from dataplane.bufpool import BufferPool
 from dataplane.codec.wire import Column
 from dataplane.hostcopy import copy_spans
@@ -72,72 +72,65 @@ class Landing:
 # :func:`copy_spans` from staged objects: the result buffer, the objects, and per run which object
 # it is in (None: the only one), where it lands in the result, where it is in its object, its size
 _Gather = tuple[torch.Tensor, list[torch.Tensor], np.ndarray | None, np.ndarray, np.ndarray, np.ndarray]
-# per put the rows come from: where its rows are in the get (None: all of them, in order) and
-# their indices in the put
-_Groups = list[tuple[PutIndex, np.ndarray | None, np.ndarray]]
-
-
-def _put_groups(res: Resolved) -> _Groups:
-    """The rows of ``res`` grouped by the put they come from, vectorized (rows written back by
-    several ranks alternate between puts row by row)."""
-    if len(res.puts) == 1:
-        return [(res.puts[0], None, res.rows)]
-    order = np.argsort(res.which, kind="stable")
-    bounds = np.searchsorted(res.which[order], np.arange(len(res.puts) + 1)).tolist()
-    out: _Groups = []
-    for k, p in enumerate(res.puts):
-        at = order[bounds[k] : bounds[k + 1]]
-        out.append((p, at, res.rows[at]))
-    return out
+_NO_RUNS = np.zeros(0, dtype=np.int64)
 
 
 @dataclass(eq=False)
 class _Spans:
     """Where a get's rows of one field are, in leading-dim units (rows of a dense field, elements of
-    a jagged one): fields resolved alike over the same offsets share it, and scale it by their own
-    bytes per unit. Vectorized over rows: a data-parallel rank's share of a batch has one span per
-    row, thousands of them."""
+    a jagged one), as runs merged where they are contiguous both in the result and in their object,
+    sorted by put: fields resolved alike over the same offsets share it, and scale it by their own
+    bytes per unit. Vectorized over rows and over puts: a data-parallel rank's share of a batch has
+    one span per row, and rows streamed in one at a time come from thousands of puts."""
 
     total: int
     offsets: torch.Tensor | None  # of the result (jagged and object fields)
-    # per put: where its merged spans land in the result, where they start in its object, their sizes
-    puts: list[tuple[PutIndex, np.ndarray, np.ndarray, np.ndarray]]
+    put: np.ndarray  # per run: the index of its put in ``Resolved.puts``
+    lands: np.ndarray  # per run: where it lands in the result
+    starts: np.ndarray  # per run: where it starts in its object
+    sizes: np.ndarray  # per run
+    bounds: np.ndarray  # the runs of put k are runs[bounds[k] : bounds[k + 1]]
 
     @classmethod
-    def of(cls, groups: _Groups, field: str, jagged: bool, n: int) -> _Spans:
-        """The spans of ``n`` rows grouped by :func:`_put_groups`."""
-        parts = []
-        for p, at, rows in groups:
-            offsets = p.fields[field].offsets
-            if offsets is None:
-                parts.append((at, rows, np.ones(len(rows), dtype=np.int64)))
-            else:
-                first = offsets[rows]
-                parts.append((at, first, offsets[rows + 1] - first))
-        if len(parts) == 1:
-            every = parts[0][2]
+    def of(cls, res: Resolved, field: str, jagged: bool) -> _Spans:
+        which, rows = res.which, res.rows
+        n, k = len(rows), len(res.puts)
+        offs = [p.fields[field].offsets for p in res.puts]
+        if all(o is None for o in offs):  # dense: a row is one unit
+            first, every = rows, np.ones(n, dtype=np.int64)
         else:
-            every = np.empty(n, dtype=np.int64)
-            for at, _, sz in parts:
-                every[at] = sz
+            if k == 1:
+                at, cat = rows, offs[0]
+            else:  # every put's offsets back to back: one lookup for all rows
+                full = [np.arange(len(p.keys) + 1) if o is None else o for p, o in zip(res.puts, offs, strict=True)]
+                base = np.zeros(k, dtype=np.int64)
+                np.cumsum([len(o) for o in full[:-1]], out=base[1:])
+                at, cat = base[which] + rows, np.concatenate(full)
+            assert cat is not None
+            first = cat[at]
+            every = cat[at + 1] - first
         lands = np.cumsum(every) - every
-        total = int(lands[-1] + every[-1]) if len(every) else 0
+        total = int(lands[-1] + every[-1]) if n else 0
         out = None
         if jagged:
-            out = torch.zeros(len(every) + 1, dtype=torch.int64)
+            out = torch.zeros(n + 1, dtype=torch.int64)
             torch.cumsum(torch.from_numpy(every), 0, out=out[1:])
-        puts = []
-        for (p, _, _), (at, src, m) in zip(groups, parts, strict=True):
-            d = lands if at is None else lands[at]
-            keep = m > 0
-            d, src, m = d[keep], src[keep], m[keep]
-            if not len(m):
-                continue
-            # merge spans that are contiguous both where they land and in the object
-            cut = np.flatnonzero((d[1:] != d[:-1] + m[:-1]) | (src[1:] != src[:-1] + m[:-1])) + 1
-            head = np.concatenate((np.zeros(1, dtype=np.int64), cut))
-            puts.append((p, d[head], src[head], np.add.reduceat(m, head)))
-        return cls(total, out, puts)
+        if k == 1:
+            w, d, s, m = np.zeros(n, dtype=np.int64), lands, first, every
+        else:  # by put; rows of one put keep their order in the result
+            order = np.argsort(which, kind="stable")
+            w, d, s, m = which[order], lands[order], first[order], every[order]
+        keep = m > 0
+        if not keep.all():
+            w, d, s, m = w[keep], d[keep], s[keep], m[keep]
+        if not len(m):
+            return cls(total, out, _NO_RUNS, _NO_RUNS, _NO_RUNS, _NO_RUNS, np.zeros(k + 1, dtype=np.int64))
+        # merge runs of one put that are contiguous both where they land and in the object
+        cut = np.flatnonzero((w[1:] != w[:-1]) | (d[1:] != d[:-1] + m[:-1]) | (s[1:] != s[:-1] + m[:-1])) + 1
+        head = np.concatenate((np.zeros(1, dtype=np.int64), cut))
+        put = w[head]
+        bounds = np.searchsorted(put, np.arange(k + 1))
+        return cls(total, out, put, d[head], s[head], np.add.reduceat(m, head), bounds)
 
 
 def _empty(schema: FieldSchema, rows: int) -> torch.Tensor:
@@ -169,19 +162,15 @@ class Reader:
             cols.update(self.columns_over(whole[fs[0]], fs, landing))
         out: dict[str, Column] = {}
         gathers: list[_Gather] = []
-        groups: dict[int, _Groups] = {}  # fields resolved alike share their rows (and these groups)
-        spans: dict[tuple[int, ...], _Spans] = {}  # and, over the same offsets, their spans
+        spans: dict[tuple[int, ...], _Spans] = {}  # fields resolved alike over the same offsets share spans
         for field, res in resolved.items():
             if field in cols:
                 out[field] = cols[field]
                 continue
-            grouped = groups.get(id(res.rows))
-            if grouped is None:
-                grouped = groups[id(res.rows)] = _put_groups(res)
-            like = (id(res.rows), *(id(p.fields[field].offsets) for p in res.puts))
+            like = (id(res.rows), id(res.which), *(id(p.fields[field].offsets) for p in res.puts))
             field_spans = spans.get(like)
             if field_spans is None:
-                field_spans = spans[like] = _Spans.of(grouped, field, res.schema.kind != "dense", len(res.rows))
+                field_spans = spans[like] = _Spans.of(res, field, res.schema.kind != "dense")
             out[field], field_ops, field_gathers = self._plan_field(field, res, field_spans)
             ops += field_ops
             gathers += field_gathers
@@ -237,23 +226,35 @@ class Reader:
         total = spans.total * unit
         buf = self.pool.empty(total)
         base = buf.data_ptr()
-        can_range = self.handle.covers(base, total)  # get_into_ranges reads only into registered memory
-        ops: list[ReadOp] = []
+        d_all, s_all, m_all = spans.lands * unit, spans.starts * unit, spans.sizes * unit
+        nbytes = np.array([p.fields[field].nbytes for p in res.puts], dtype=np.int64)
+        lo, counts = spans.bounds[:-1], np.diff(spans.bounds)
+        # a put whose one run is its whole object (rows put one at a time): read in place
+        one = np.flatnonzero(counts == 1)
+        whole = one[(s_all[lo[one]] == 0) & (m_all[lo[one]] == nbytes[one])]
+        puts = res.puts
+        keys = data_keys([puts[k] for k in whole.tolist()], field)
+        ops = [
+            ReadOp(key, base + d, n)
+            for key, d, n in zip(keys, d_all[lo[whole]].tolist(), nbytes[whole].tolist(), strict=True)
+        ]
+        rest = np.flatnonzero(counts > 0)
+        if len(whole):
+            rest = np.setdiff1d(rest, whole, assume_unique=True)
+        can_range = bool(len(rest)) and self.handle.covers(base, total)  # ranges land in registered memory only
         staged: list[tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray]] = []
-        for p, lands, starts, sizes in spans.puts:
-            d, src, m = lands * unit, starts * unit, sizes * unit
-            key, nbytes = p.data_key(field), p.fields[field].nbytes
-            if len(m) == 1 and src[0] == 0 and m[0] == nbytes:  # whole object, in place
-                ops.append(ReadOp(key, base + int(d[0]), nbytes))
-                continue
+        for k in rest.tolist():
+            a, b = int(spans.bounds[k]), int(spans.bounds[k + 1])
+            d, src, m = d_all[a:b], s_all[a:b], m_all[a:b]
+            key, size = puts[k].data_key(field), int(nbytes[k])
             need = int(m.sum())
             ranged_s = len(m) * _PIECE_S + need / _NET_BPS
-            whole_s = _PIECE_S + nbytes / _NET_BPS + need / _COPY_BPS
+            whole_s = _PIECE_S + size / _NET_BPS + need / _COPY_BPS
             if can_range and ranged_s <= whole_s:
-                ops.append(ReadOp(key, base, nbytes, list(zip(d.tolist(), src.tolist(), m.tolist(), strict=True))))
+                ops.append(ReadOp(key, base, size, list(zip(d.tolist(), src.tolist(), m.tolist(), strict=True))))
             else:
-                stage = self.pool.empty(nbytes)
-                ops.append(ReadOp(key, stage.data_ptr(), nbytes))
+                stage = self.pool.empty(size)
+                ops.append(ReadOp(key, stage.data_ptr(), size))
                 staged.append((stage, d, src, m))
         gathers: list[_Gather] = []
         if staged:  # one gather from every staged object: their rows may alternate row by row
