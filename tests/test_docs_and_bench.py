@@ -217,6 +217,20 @@ def test_single_row_puts_benchmark_times_each_block_and_reads_every_row(url: str
         client.close()
 
 
+@pytest.mark.parametrize("url", ["memory://", _mooncake("mooncake://local?segment_bytes=64MiB")])
+def test_rollouts_benchmark_reads_every_row_back_and_clears(url: str) -> None:
+    """The streamed-rollouts benchmark checks every row it reads (raising on a mismatch)."""
+    from benchmarks.results.single_row_puts import rollouts
+
+    client = dataplane.connect(url)
+    try:
+        r = rollouts(client, 12, repeat=1)
+        assert set(r) == {"put", "get all", "get 1/4", "bytes"} and min(r.values()) > 0
+        assert client.kv_list("rollouts") == {}
+    finally:
+        client.close()
+
+
 def _run_results_bench(module: str, out: Path, args: str) -> None:
     """``python -m benchmarks.<module> ARGS --out OUT`` (a results benchmark: writes OUT.json and OUT.md)."""
     cmd = [sys.executable, "-m", f"benchmarks.{module}", *args.split(), "--out", str(out)]

@@ -492,7 +492,7 @@ class TestMooncakeAdapter:
     def test_put_of_client_empty_memory_is_sent_without_a_copy(
         self, owner: StoreClient, other: StoreClient, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        lengths = torch.tensor([3000, 1, 70000, 500])
+        lengths = torch.tensor([3000, 1, 170_000, 500])  # over 1 MiB in all: not packed (a copy)
         offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
         ids = other.empty(int(offsets[-1]), torch.int64)  # rollout tokens built straight into it
         ids.copy_(torch.randint(0, 150_000, ids.shape))
@@ -644,12 +644,12 @@ class TestMooncakeAdapter:
             owner.kv_clear(partition_id="fuzz")
             mem.close()
 
-    def test_rows_put_one_at_a_time_are_read_in_place_in_any_order(
+    def test_rows_put_one_at_a_time_are_read_once_per_put_in_any_order(
         self, owner: StoreClient, other: StoreClient, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """Rows streamed in one put each (an asynchronous rollout worker), some of them empty, then
-        read by keys in a shuffled order, beside rows of a batch put: each streamed row's object of a
-        field is read whole, straight where it lands (no staging copy), and the result is what
+        read by keys in a shuffled order, beside rows of a batch put: each streamed row is one packed
+        object, read whole once whatever fields the get takes from it, and the result is what
         ``memory://`` gives."""
         rng = random.Random(3)
         gen = torch.Generator().manual_seed(3)
@@ -664,8 +664,10 @@ class TestMooncakeAdapter:
                     "r": torch.tensor([float(i)]),
                     "msg": [f"m{i}" * (i % 3)],
                 }
-                owner.kv_batch_put([f"s{i}"], row, partition_id=pid)
-                mem.kv_batch_put([f"s{i}"], row, partition_id=pid)
+                adv = {"adv": _jagged([torch.randn(n, generator=gen)])}  # a write-back: one field, not packed
+                for c in (owner, mem):
+                    c.kv_batch_put([f"s{i}"], row, partition_id=pid)
+                    c.kv_batch_put([f"s{i}"], adv, partition_id=pid)
             batch = {
                 "ids": _jagged([torch.arange(5), torch.arange(0)]),
                 "lp": _jagged([torch.ones(5, 2, dtype=torch.bfloat16), torch.ones(0, 2, dtype=torch.bfloat16)]),
@@ -675,7 +677,10 @@ class TestMooncakeAdapter:
             # rows of two puts that lie back to back both in the result and in the objects: "p1" ends
             # where "q1" (jagged) and "q2" (dense) start in theirs, and each lands right after it
             p_rows = {"ids": _jagged([torch.arange(2), torch.arange(3)]), "r": torch.tensor([1.0, 2.0])}
-            q_rows = {"ids": _jagged([torch.arange(5) + 10, torch.arange(4) + 20, torch.arange(1)]), "r": torch.arange(3.0)}
+            q_rows = {
+                "ids": _jagged([torch.arange(5) + 10, torch.arange(4) + 20, torch.arange(1)]),
+                "r": torch.arange(3.0),
+            }
             for c in (owner, mem):
                 c.kv_batch_put(["b0", "b1"], batch, partition_id=pid)
                 c.kv_batch_put(["p0", "p1"], p_rows, partition_id="pq")
@@ -684,14 +689,28 @@ class TestMooncakeAdapter:
                 a = other.kv_batch_get(ks, partition_id="pq", select_fields=["ids", "r"])
                 b = mem.kv_batch_get(ks, partition_id="pq", select_fields=["ids", "r"])
                 assert bit_exact(a["r"], b["r"]) and bit_exact(a["ids"].values(), b["ids"].values()), ks
+            # a packed put whose rows of the field read are all empty: nothing of it is read
+            empty = {"ids": _jagged([torch.arange(3), torch.arange(2)]), "z": _jagged([torch.ones(0), torch.ones(0)])}
+            owner.kv_batch_put(["e0", "e1"], {**empty, "r": torch.ones(2)}, partition_id="pq")
+            owner.kv_batch_put(
+                ["f0"], {"ids": _jagged([torch.arange(4)]), "z": _jagged([torch.ones(2)])}, partition_id="pq"
+            )
+            z = other.kv_batch_get(["e1", "e0", "f0"], partition_id="pq", select_fields=["z"])
+            assert z["z"].offsets().tolist() == [0, 0, 0, 2] and z["z"].values().tolist() == [1.0, 1.0]
             keys = [f"s{i}" for i in range(40)]
             rng.shuffle(keys)
+            reads = _Spy(monkeypatch, other.store.handle, ["get_into"])  # type: ignore[attr-defined]
+            fields = ["ids", "lp", "r", "msg"]
+            got = other.kv_batch_get(keys, partition_id=pid, select_fields=fields)
+            objects = [k for call in reads.args["get_into"] for k in call[0] if "/d/" in k]
+            assert len(objects) == 40 and all(k.endswith("/.all") for k in objects)  # each put whole, once
             gathers: list[Any] = []
             real_copy = _mc_read.copy_spans
             monkeypatch.setattr(_mc_read, "copy_spans", lambda *a: (gathers.append(a), real_copy(*a)))
-            fields = ["ids", "lp", "r", "msg"]
-            got = other.kv_batch_get(keys, partition_id=pid, select_fields=fields)
-            assert gathers == []  # every row was its object, read in place
+            adv = other.kv_batch_get(keys, partition_id=pid, select_fields=["adv"])
+            assert gathers == []  # a one-field put's object is its row: read in place
+            want_adv = mem.kv_batch_get(keys, partition_id=pid, select_fields=["adv"])
+            assert bit_exact(adv["adv"].values(), want_adv["adv"].values())
             mixed = [*keys[:10], "b1", *keys[10:20], "b0"]
             want = mem.kv_batch_get(mixed, partition_id=pid, select_fields=fields)
             got_mixed = other.kv_batch_get(mixed, partition_id=pid, select_fields=fields)
@@ -748,7 +767,7 @@ class TestMooncakeAdapter:
             head = "dataplane/order/d/"
             assert [(n, sorted(a)) for n, a in calls] == [
                 ("remove", [index_key]),
-                ("remove", sorted(f"{head}{index_key.rsplit('/', 1)[1].rsplit('.', 1)[0]}/{f}" for f in "xy")),
+                ("remove", [f"{head}{index_key.rsplit('/', 1)[1].rsplit('.', 1)[0]}/.all"]),  # packed: x and y
             ]
             calls.clear()
             listed = sorted(k for k in _all_keys(owner) if k.startswith("dataplane/order/i/"))  # put 2, a tombstone
@@ -977,20 +996,33 @@ class TestMooncakeAdapter:
         finally:
             owner.kv_clear(partition_id="inline")
 
-    def test_a_read_hint_naming_another_put_is_never_trusted(self, owner: StoreClient, other: StoreClient) -> None:
-        old = owner.kv_batch_put(["a", "b"], {"x": torch.tensor([1, 2])}, partition_id="forged")
-        new = owner.kv_batch_put(["a", "b"], {"x": torch.tensor([3, 4])}, partition_id="forged")
+    @pytest.mark.parametrize("packed", [False, True], ids=["per-field", "packed"])
+    def test_a_read_hint_naming_another_put_is_never_trusted(
+        self, owner: StoreClient, other: StoreClient, packed: bool
+    ) -> None:
+        more = {"y": torch.tensor([5.0, 6.0])} if packed else {}  # two small fields: one packed object
+        old = owner.kv_batch_put(["a", "b"], {"x": torch.tensor([1, 2]), **more}, partition_id="forged")
+        new = owner.kv_batch_put(["a", "b"], {"x": torch.tensor([3, 4]), **more}, partition_id="forged")
+        hint = new.extra_info["mooncake_read"]
+        assert (hint[5] > 0) is packed
         try:  # the old put's objects are still stored (re-written, never cleared): a read of them succeeds
             forged = new.with_extra_info(mooncake_read=old.extra_info["mooncake_read"])
             assert other.kv_batch_get(forged, select_fields="x")["x"].tolist() == [3, 4]
+            prefix = old.extra_info["mooncake_read"][:4]
             for junk in (
                 None,
                 "x",
-                [1, 2, 3, 4, 5],
-                ["nope", 2, "a", "b", {"x": 16}],
-                [*old.extra_info["mooncake_read"][:4], {"x": "8"}],
-                [*old.extra_info["mooncake_read"][:4], {"x": -8}],
-                [*old.extra_info["mooncake_read"][:4], {"x": 1 << 40}],  # never allocated: over the bound
+                [1, 2, 3, 4, 5, 6],
+                ["nope", 2, "a", "b", {"x": 16}, 0],
+                [*prefix, {"x": "8"}, 0],
+                [*prefix, {"x": -8}, 0],
+                [*prefix, {"x": 1 << 40}, 0],  # never allocated: over the bound
+                [*hint[:5]],  # no packed size
+                [*hint[:5], -64],
+                [*hint[:5], "64"],
+                [*hint[:5], 1 << 40],  # never allocated: over the bound
+                [*hint[:5], hint[5] + 64],  # the wrong size of the packed object (or one where there is none)
+                [*hint[:5], max(0, hint[5] - 64)],  # too small (or, for the packed put: per-field objects)
             ):
                 bad = new.with_extra_info(mooncake_read=junk)
                 assert other.kv_batch_get(bad, select_fields="x")["x"].tolist() == [3, 4]

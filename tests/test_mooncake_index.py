@@ -21,6 +21,7 @@ from dataplane.adapters._mc_index import (
     PartitionState,
     PutIndex,
     data_key,
+    data_keys,
     data_prefix,
     decode_index,
     encode_index,
@@ -29,6 +30,7 @@ from dataplane.adapters._mc_index import (
     is_index_key,
     make_index,
     new_put_id,
+    pack_layout,
     parse_index_key,
     part_token,
     partition_of_token,
@@ -142,6 +144,35 @@ def test_index_round_trip_and_make_index_agree() -> None:
     assert a.data_key("t") == f"{partition_prefix('ns', 'p')}d/0001-w/t"
     assert a.object_keys() == [a.data_key("t"), a.data_key("x"), key]
     pickle.loads(pickle.dumps(a.fields["t"].schema))
+
+
+def test_a_packed_put_names_one_object_and_where_each_field_lies_in_it() -> None:
+    off = np.array([0, 2, 2, 5], dtype=np.int64)
+    fields = {"t": (JAG, 40, off), "x": (DENSE, 24, None), "e": (JAG, 0, off * 0)}
+    layout = pack_layout({name: n for name, (_, n, _) in fields.items()})
+    assert layout == ({"t": 0, "x": 64, "e": 128}, 128)  # 64-byte aligned; an empty field takes no room
+    body = encode_index(["a", "b", "c"], fields, None, packed=layout)
+    key = f"{index_prefix('ns', 'p')}0001-w.{len(body)}"
+    a, b = decode_index(key, "0001-w", body), make_index(key, "0001-w", ["a", "b", "c"], fields, None, layout)
+    for got in (a, b):
+        assert got.packed == 128 and {f: e.at for f, e in got.fields.items()} == layout[0]
+        assert got.data_key("t") == got.data_key("x") == f"{partition_prefix('ns', 'p')}d/0001-w/.all"
+        assert got.object_keys() == [got.data_key("t"), key]
+        assert got.fields["x"].span(1) == (64 + 8, 8) and got.fields["t"].span(2) == (2 * 8, 3 * 8)
+    assert data_keys([a, _put(["k"], {"t": JAG})], "t")[0] == a.data_key("t")
+    assert decode_index(key, "0001-w", encode_index(["a", "b", "c"], fields, None)).packed == 0
+
+
+@pytest.mark.parametrize(("field", "at"), [("x", 65), ("x", 128), ("x", -64), ("x", "64"), ("t", 64)])
+def test_a_packed_index_placing_a_field_outside_its_object_is_a_typed_error(field: str, at: object) -> None:
+    off = np.array([0, 2], dtype=np.int64)
+    fields = {"t": (JAG, 16, off), "x": (DENSE, 8, None)}
+    body = msgpack.unpackb(encode_index(["a"], fields, None, packed=pack_layout({"t": 16, "x": 8})))
+    body["fields"][field]["a"] = at
+    if field == "t":
+        del body["p"]  # an offset in an index that packs nothing
+    with pytest.raises(BackendUnavailable, match=r"unreadable.*at byte"):
+        decode_index("k", "1-w", msgpack.packb(body))
 
 
 def test_fields_sharing_offsets_store_them_once() -> None:

@@ -3,11 +3,15 @@ time per put, averaged over each block of 500 puts, from the first block to the 
 of every row (checked). With ``foreign`` instead: a master holding 20,000 small objects of someone
 else, and per repetition a first put of a 16 MB batch into a fresh partition, a second put of it
 (new keys) into that partition, a get by the second put's meta and a get of every 2nd row by keys.
+With ``rollouts``: 256 RL-shaped rollouts (7 token fields of 500-2,500 tokens and a reward, ~13 MB
+in all) put one per call, then the trainer's get of all of them by keys and a data-parallel rank's
+get of every 4th (checked, medians of 5 after a warm-up), three rounds.
 
     python -m benchmarks.results.single_row_puts "mooncake://local?segment_bytes=1GiB"        # 3,000 puts, 8 fields
     python -m benchmarks.results.single_row_puts "mooncake://local?segment_bytes=1GiB" 3000 2
     python -m benchmarks.results.single_row_puts memory:// 3000 8
     python -m benchmarks.results.single_row_puts "mooncake://local?segment_bytes=1GiB" foreign
+    python -m benchmarks.results.single_row_puts "mooncake://local?segment_bytes=1GiB" rollouts
 
 Results of the code before and after a change, run one after the other on the 2-core VM, are in
 ``single_row_puts.md``.
@@ -28,6 +32,7 @@ from benchmarks.workload import make_batch
 BLOCK = 500
 FOREIGN = 20_000
 STEPS = ("first put", "second put", "get by meta", "get 1/2 by keys")
+ROLLOUT_DTYPES = (torch.int64, torch.int64, torch.float32, torch.float32, torch.float32, torch.bool, torch.bfloat16)
 
 
 def stream(client: dataplane.DataPlaneClient, n: int, fields: int, block: int = BLOCK) -> list[float]:
@@ -101,8 +106,63 @@ def foreign(url: str, repeat: int = 15) -> dict[str, float]:
         w.close()
 
 
+def rollouts(client: dataplane.DataPlaneClient, n: int = 256, repeat: int = 5, seed: int = 0) -> dict[str, float]:
+    """Put ``n`` rollouts one per call (token fields of 500-2,500 tokens, a reward), then get all of
+    them by keys, and every 4th; median seconds per put and per get, and the bytes of a whole get."""
+    g = torch.Generator().manual_seed(seed)
+    keys = [f"r{i}" for i in range(n)]
+    names = [f"t{j}" for j in range(len(ROLLOUT_DTYPES))]
+    sent: list[dict[str, torch.Tensor]] = []
+    puts: list[float] = []
+    try:
+        for i, key in enumerate(keys):
+            length = int(torch.randint(500, 2501, (1,), generator=g))
+            row: dict[str, torch.Tensor] = {"reward": torch.tensor([float(i)])}
+            for name, dtype in zip(names, ROLLOUT_DTYPES, strict=True):
+                values = torch.randint(0, 1000, (length,), generator=g).to(dtype)
+                row[name] = torch.nested.as_nested_tensor([values], layout=torch.jagged)
+            sent.append(row)
+            t0 = time.perf_counter()
+            client.kv_batch_put([key], row, partition_id="rollouts")
+            puts.append(time.perf_counter() - t0)
+        fields = ["reward", *names]
+        out: dict[str, float] = {"put": statistics.median(puts)}
+        for label, want in (("get all", list(range(n))), ("get 1/4", list(range(0, n, 4)))):
+            ks = [keys[i] for i in want]
+            times = []
+            for _ in range(repeat + 1):
+                t0 = time.perf_counter()
+                got = client.kv_batch_get(ks, partition_id="rollouts", select_fields=fields)
+                times.append(time.perf_counter() - t0)
+            if got["reward"].tolist() != [float(i) for i in want]:
+                raise AssertionError(f"{label}: the rewards did not read back in the keys' order")
+            for j, i in enumerate(want):
+                for name in names:
+                    if not torch.equal(got[name][j], sent[i][name][0]):
+                        raise AssertionError(f"{label}: row {i} of {name} did not read back as put")
+            out[label] = statistics.median(times[1:])
+            if label == "get all":
+                out["bytes"] = float(sum((t.values() if t.is_nested else t).nbytes for t in got.values()))
+        return out
+    finally:
+        client.kv_clear(partition_id="rollouts")
+
+
 def main() -> None:
     url = sys.argv[1]
+    if sys.argv[2:3] == ["rollouts"]:
+        n = int(sys.argv[3]) if len(sys.argv) > 3 else 256
+        client = dataplane.connect(url)
+        try:
+            for seed in range(3):
+                r = rollouts(client, n, seed=seed)
+                print(
+                    f"{n} rollouts ({r['bytes'] / 1e6:.1f} MB) put one per call: put {r['put'] * 1e3:.2f} ms, "
+                    f"get all {r['get all'] * 1e3:.1f} ms, get 1/4 {r['get 1/4'] * 1e3:.1f} ms"
+                )
+        finally:
+            client.close()
+        return
     if sys.argv[2:] == ["foreign"]:
         med = foreign(url)
         print(f"{FOREIGN} foreign objects:", ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in med.items()))

@@ -4,6 +4,9 @@ Layout in Mooncake (one namespace ``ns`` per deployment or job):
 
 * ``{ns}/{part}/d/{put_id}/{field}``: one data object per (put call, field): dense rows back to back,
   jagged values back to back, object bytes back to back. A field of 0 bytes has no object.
+* ``{ns}/{part}/d/{put_id}/.all``: instead, for a small put (a rollout put on its own), one data
+  object holding every field, each at a 64-byte aligned offset the index names (a packed put): every
+  object costs Mooncake a fixed time whatever its size, and such puts are read whole anyway.
 * ``{ns}/{part}/i/{put_id}.{nbytes}``: one small immutable index object per put call (msgpack):
   the keys, per-field schema, byte size and row offsets, and the tags. A ``kv_clear(keys)`` writes a
   tombstone index (``op="del"``) the same way. The size in the name lets a reader fetch an index it
@@ -40,19 +43,25 @@ __all__ = [
     "PutIndex",
     "Resolved",
     "data_key",
+    "data_keys",
     "decode_index",
     "encode_index",
     "index_lines",
     "index_prefix",
     "make_index",
     "new_put_id",
+    "pack_layout",
+    "packed_key",
     "parse_index_key",
     "part_token",
     "partition_of_token",
     "partition_prefix",
 ]
 
-INDEX_VERSION = 2  # 2: offsets stored once, named by place; keys one newline-joined str (1: a list of str)
+INDEX_VERSION = 3  # 3: packed puts; 2: offsets stored once, named by place; keys one newline-joined str
+_READS = (2, 3)  # versions this dataplane decodes (2 has no packed puts)
+PACKED = ".all"  # the data object of a packed put: a field's token never holds "."
+PACK_ALIGN = 64  # a field's offset in a packed object: any dtype's view of it is aligned
 _NS_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _ID_LOCK = threading.Lock()
 _LAST_NS = 0
@@ -91,12 +100,27 @@ def data_key(head: str, put_id: str, field: str) -> str:
     return f"{head}d/{put_id}/{_token(field)}"
 
 
+def packed_key(head: str, put_id: str) -> str:
+    """The one data object of packed put ``put_id``; ``head`` is :func:`partition_prefix`."""
+    return f"{head}d/{put_id}/{PACKED}"
+
+
+def pack_layout(sizes: Mapping[str, int]) -> tuple[dict[str, int], int]:
+    """Where each field of a packed put starts in its object (aligned to :data:`PACK_ALIGN`), and the
+    object's size."""
+    at, end = {}, 0
+    for field, n in sizes.items():
+        at[field] = end
+        end += -(-n // PACK_ALIGN) * PACK_ALIGN
+    return at, end
+
+
 def data_keys(puts: Sequence[PutIndex], field: str) -> list[str]:
     """:meth:`PutIndex.data_key` of ``field`` for each of ``puts`` (of one partition), in one pass."""
     if not puts:
         return []
     head, token = puts[0].key[: puts[0].key.rindex("/i/") + 1], _token(field)
-    return [f"{head}d/{p.put_id}/{token}" for p in puts]
+    return [f"{head}d/{p.put_id}/{PACKED if p.packed else token}" for p in puts]
 
 
 def data_prefix(ns: str, partition_id: str) -> str:
@@ -172,13 +196,14 @@ class FieldEntry:
     nbytes: int
     offsets: np.ndarray | None  # int64 [B+1] element offsets (jagged / object); None for dense
     unit: int  # bytes per row (dense) or per element of the leading dim (jagged / object)
+    at: int = 0  # where its bytes start in its data object (a packed put's one object; else 0)
 
     def span(self, i: int) -> tuple[int, int]:
         """Byte offset and byte length of row ``i`` in the data object."""
         if self.offsets is None:
-            return i * self.unit, self.unit
+            return self.at + i * self.unit, self.unit
         a = int(self.offsets[i])
-        return a * self.unit, (int(self.offsets[i + 1]) - a) * self.unit
+        return self.at + a * self.unit, (int(self.offsets[i + 1]) - a) * self.unit
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,12 +216,17 @@ class PutIndex:
     keys: tuple[str, ...]
     fields: Mapping[str, FieldEntry]
     tags: tuple[dict[str, Any], ...] | None
+    packed: int = 0  # bytes of the one data object holding every field (a packed put); 0: one per field
 
     def data_key(self, field: str) -> str:
-        return data_key(self.key[: self.key.rindex("/i/") + 1], self.put_id, field)
+        """The object holding ``field``'s bytes (at ``fields[field].at``)."""
+        head = self.key[: self.key.rindex("/i/") + 1]
+        return packed_key(head, self.put_id) if self.packed else data_key(head, self.put_id, field)
 
     def object_keys(self) -> list[str]:
         """Every Mooncake key this put owns (data objects first, its index last)."""
+        if self.packed:
+            return [packed_key(self.key[: self.key.rindex("/i/") + 1], self.put_id), self.key]
         return [self.data_key(f) for f, e in self.fields.items() if e.nbytes] + [self.key]
 
 
@@ -206,6 +236,7 @@ def make_index(
     keys: Sequence[str],
     fields: Mapping[str, tuple[FieldSchema, int, np.ndarray | None]],
     tags: Sequence[Mapping[str, Any]] | None,
+    packed: tuple[Mapping[str, int], int] | None = None,
 ) -> PutIndex:
     """The parsed form of what :func:`encode_index` writes (for the writer's own cache)."""
     shared: dict[int, np.ndarray] = {}  # fields that shared one offsets array share its copy
@@ -216,8 +247,16 @@ def make_index(
             own = shared.get(id(off))
             if own is None:
                 own = shared[id(off)] = np.array(off, dtype=np.int64)
-        entries[name] = FieldEntry(schema, int(n), own, schema.row_nbytes)
-    return PutIndex(key, put_id, "put", tuple(keys), entries, None if tags is None else tuple(dict(t) for t in tags))
+        entries[name] = FieldEntry(schema, int(n), own, schema.row_nbytes, 0 if packed is None else packed[0][name])
+    return PutIndex(
+        key,
+        put_id,
+        "put",
+        tuple(keys),
+        entries,
+        None if tags is None else tuple(dict(t) for t in tags),
+        0 if packed is None else packed[1],
+    )
 
 
 def encode_index(
@@ -226,26 +265,33 @@ def encode_index(
     tags: Sequence[Mapping[str, Any]] | None,
     *,
     op: Literal["put", "del"] = "put",
+    packed: tuple[Mapping[str, int], int] | None = None,
 ) -> bytes:
     """msgpack of an index object. ``fields``: name -> (schema, nbytes, element offsets or None).
-    Fields sharing one offsets array (the usual per-token fields of a batch) store it once."""
+    Fields sharing one offsets array (the usual per-token fields of a batch) store it once.
+    ``packed``: (field -> offset, object bytes) of a packed put (see :func:`pack_layout`)."""
     slots: dict[int, int] = {}  # id(offsets array) -> its place in "offsets"
     blobs: list[bytes] = []
     for _, _, off in fields.values():
         if off is not None and id(off) not in slots:
             slots[id(off)] = len(blobs)
             blobs.append(off.astype("<i8").tobytes())
-    body = {
+    entries: dict[str, dict[str, Any]] = {
+        name: {"s": schema.to_dict(), "n": int(n), "o": None if off is None else slots[id(off)]}
+        for name, (schema, n, off) in fields.items()
+    }
+    body: dict[str, Any] = {
         "v": INDEX_VERSION,
         "op": op,
         "keys": "\n".join(keys),  # keys are printable: one string, split in C when read
         "offsets": blobs,
-        "fields": {
-            name: {"s": schema.to_dict(), "n": int(n), "o": None if off is None else slots[id(off)]}
-            for name, (schema, n, off) in fields.items()
-        },
+        "fields": entries,
         "tags": None if tags is None else [dict(t) for t in tags],
     }
+    if packed is not None:
+        body["p"] = packed[1]
+        for name, at in packed[0].items():
+            entries[name]["a"] = at
     out = msgpack.packb(body, use_bin_type=True)
     assert isinstance(out, bytes)
     return out
@@ -254,8 +300,11 @@ def encode_index(
 def decode_index(key: str, put_id: str, data: bytes) -> PutIndex:
     try:
         body = msgpack.unpackb(data, raw=False, strict_map_key=False)
-        if body.get("v") != INDEX_VERSION:
-            raise ValueError(f"index version {body.get('v')!r}, this dataplane reads {INDEX_VERSION}")
+        if body.get("v") not in _READS:
+            raise ValueError(f"index version {body.get('v')!r}, this dataplane reads {_READS}")
+        packed = body.get("p", 0)
+        if type(packed) is not int or packed < 0:
+            raise ValueError(f"packed object size {packed!r}")
         fields: dict[str, FieldEntry] = {}
         arrays = [np.frombuffer(blob, dtype="<i8").astype(np.int64) for blob in body["offsets"]]
         for name, f in body["fields"].items():
@@ -264,12 +313,16 @@ def decode_index(key: str, put_id: str, data: bytes) -> PutIndex:
             if slot is not None and (type(slot) is not int or not 0 <= slot < len(arrays)):
                 raise ValueError(f"field {name!r} names offsets {slot!r} of {len(arrays)}")
             off = None if slot is None else arrays[slot]  # fields sharing offsets share one array
-            fields[name] = FieldEntry(schema, int(f["n"]), off, schema.row_nbytes)
+            n, at = int(f["n"]), f.get("a", 0)
+            if type(at) is not int or at < 0 or at % PACK_ALIGN or (packed and at + n > packed) or (at and not packed):
+                raise ValueError(f"field {name!r} at byte {at!r} of a {packed}-byte object")
+            fields[name] = FieldEntry(schema, n, off, schema.row_nbytes, at)
         tags = None if body["tags"] is None else tuple(dict(t) for t in body["tags"])
         joined = body["keys"]
         if type(joined) is not str:
             raise ValueError(f"keys are a {type(joined).__name__}, not one str")
-        return PutIndex(key, put_id, body["op"], tuple(joined.split("\n")) if joined else (), fields, tags)
+        keys = tuple(joined.split("\n")) if joined else ()
+        return PutIndex(key, put_id, body["op"], keys, fields, tags, packed)
     except (ValueError, KeyError, TypeError, SchemaError, msgpack.UnpackException) as e:
         raise BackendUnavailable(
             f"index object {key!r} is unreadable ({type(e).__name__}: {e}); was it written by another "

@@ -4,11 +4,14 @@ For each requested field the rows come from one or more data objects (one per pu
 put, in its order, are one whole-object read straight into the result buffer (zero copy). Otherwise
 each object is read either as ranges (runs of rows merged where they are contiguous in the object
 and in the result) straight into the result, or whole into a staging buffer and gathered locally,
-whichever the cost model says is cheaper.
+whichever the cost model says is cheaper. A packed put (every field in one small object) is read
+whole once per get, whatever fields it serves: the result views it where it is the only source of
+a field's rows, else its rows are gathered from it.
 """
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,6 +29,8 @@ from dataplane.schema import FieldSchema
 __all__ = ["Landing", "ReadOp", "Reader", "Vanished"]
 
 _ATTEMPTS = 8
+_SHORT = -10_001  # our code for a read that returned another number of bytes than asked for
+_INVALID = -600  # Mooncake's INVALID_PARAMS, e.g. for a buffer smaller than the object
 
 # Cost model of one read over TCP or RDMA (a shared-memory client reads whole objects only): each
 # contiguous piece costs a fixed time whatever its size, bytes then move at the network's rate, and
@@ -56,13 +61,18 @@ class ReadOp:
 @dataclass
 class Landing:
     """Where whole-object reads land: large fields in one slab (at their offsets), small ones in
-    buffers of their own."""
+    buffers of their own; or a packed put's one object (``packed``), whose fields lie where its index
+    says."""
 
     slab: torch.Tensor | None
     at: dict[str, int]
     own: dict[str, torch.Tensor]
+    packed: torch.Tensor | None = None
 
-    def buffer(self, field: str, nbytes: int) -> torch.Tensor | None:
+    def buffer(self, field: str, nbytes: int, at: int = 0) -> torch.Tensor | None:
+        """The bytes of ``field`` (``at``: where they start in a packed object)."""
+        if self.packed is not None:
+            return self.packed[at : at + nbytes] if nbytes and at + nbytes <= self.packed.numel() else None
         if field in self.at:
             assert self.slab is not None
             return self.slab[self.at[field] : self.at[field] + nbytes]
@@ -92,10 +102,10 @@ class _Spans:
     bounds: np.ndarray  # the runs of put k are runs[bounds[k] : bounds[k + 1]]
 
     @classmethod
-    def of(cls, res: Resolved, field: str, jagged: bool) -> _Spans:
+    def of(cls, res: Resolved, offs: Sequence[np.ndarray | None], jagged: bool) -> _Spans:
+        """The spans of the rows of ``res`` of a field whose offsets in each put are ``offs``."""
         which, rows = res.which, res.rows
         n, k = len(rows), len(res.puts)
-        offs = [p.fields[field].offsets for p in res.puts]
         if all(o is None for o in offs):  # dense: a row is one unit
             first, every = rows, np.ones(n, dtype=np.int64)
         else:
@@ -133,6 +143,15 @@ class _Spans:
         return cls(total, out, put, d[head], s[head], np.add.reduceat(m, head), bounds)
 
 
+@dataclass
+class _Stage:
+    """Where a get's packed puts are read whole: put id -> offset in ``buf``, and the reads."""
+
+    buf: torch.Tensor | None
+    at: dict[str, int]
+    ops: list[ReadOp]
+
+
 def _empty(schema: FieldSchema, rows: int) -> torch.Tensor:
     return torch.empty((rows, *schema.inner_shape), dtype=schema.dtype)
 
@@ -147,40 +166,92 @@ class Reader:
     def read(self, resolved: Mapping[str, Resolved], deadline: float) -> dict[str, Column]:
         """The columns, or raises a typed error (``Vanished`` when an object disappeared)."""
         out, fill = self.plan(resolved)
-        fill(deadline)
+        fill(deadline, None)
         return out
 
-    def plan(self, resolved: Mapping[str, Resolved]) -> tuple[dict[str, Column], Callable[[float], None]]:
-        """The columns, whose buffers are empty until the returned ``fill(deadline)`` has run."""
+    def plan(
+        self, resolved: Mapping[str, Resolved]
+    ) -> tuple[dict[str, Column], Callable[[float, Callable[[], None] | None], None]]:
+        """The columns, whose buffers are empty until the returned ``fill(deadline, read)`` has run
+        (``read``, if given, is called once the reads are done, before staged rows are gathered)."""
         whole = {f: r.whole for f, r in resolved.items() if r.whole is not None}
-        ops, landing = self.whole_reads({f: (p.data_key(f), p.fields[f].nbytes) for f, p in whole.items()})
         by_put: dict[str, list[str]] = {}
         for f, p in whole.items():
             by_put.setdefault(p.put_id, []).append(f)
+        ops, landing = self.whole_reads(
+            {f: (p.data_key(f), p.fields[f].nbytes) for f, p in whole.items() if not p.packed}
+        )
         cols: dict[str, Column] = {}
         for fs in by_put.values():
-            cols.update(self.columns_over(whole[fs[0]], fs, landing))
+            p = whole[fs[0]]
+            if p.packed:
+                put_ops, put_landing = self.packed_read(p.data_key(fs[0]), p.packed)
+                ops += put_ops
+                cols.update(self.columns_over(p, fs, put_landing))
+            else:
+                cols.update(self.columns_over(p, fs, landing))
         out: dict[str, Column] = {}
         gathers: list[_Gather] = []
-        spans: dict[tuple[int, ...], _Spans] = {}  # fields resolved alike over the same offsets share spans
+        seen: list[tuple[Resolved, list[np.ndarray | None], _Spans]] = []
+        planned: list[tuple[str, Resolved, _Spans]] = []
         for field, res in resolved.items():
             if field in cols:
                 out[field] = cols[field]
                 continue
-            like = (id(res.rows), id(res.which), *(id(p.fields[field].offsets) for p in res.puts))
-            field_spans = spans.get(like)
+            offs = [p.fields[field].offsets for p in res.puts]
+            # fields resolved alike (the same row arrays) over the same offsets arrays share spans
+            field_spans = next(
+                (
+                    sp
+                    for r, o, sp in seen
+                    if r.rows is res.rows and r.which is res.which and all(map(operator.is_, o, offs))
+                ),
+                None,
+            )
             if field_spans is None:
-                field_spans = spans[like] = _Spans.of(res, field, res.schema.kind != "dense")
-            out[field], field_ops, field_gathers = self._plan_field(field, res, field_spans)
+                field_spans = _Spans.of(res, offs, res.schema.kind != "dense")
+                seen.append((res, offs, field_spans))
+            planned.append((field, res, field_spans))
+        stage = self._stage_packed(planned)
+        ops += stage.ops
+        for field, res, field_spans in planned:
+            out[field], field_ops, field_gathers = self._plan_field(field, res, field_spans, stage)
             ops += field_ops
             gathers += field_gathers
 
-        def fill(deadline: float) -> None:
+        def fill(deadline: float, read: Callable[[], None] | None = None) -> None:
             self.run(ops, deadline)
+            if read is not None:
+                read()
             for gather in gathers:
                 copy_spans(*gather)
 
         return out, fill
+
+    def packed_read(self, key: str, nbytes: int) -> tuple[list[ReadOp], Landing]:
+        """The whole-object read of packed put object ``key`` and where it lands."""
+        buf = self.pool.empty(nbytes)
+        return [ReadOp(key, buf.data_ptr(), nbytes)], Landing(None, {}, {}, buf)
+
+    def _stage_packed(self, planned: Sequence[tuple[str, Resolved, _Spans]]) -> _Stage:
+        """One whole read per packed put that any of ``planned`` has rows of, all into one buffer."""
+        at: dict[str, int] = {}
+        keys: list[tuple[str, int]] = []
+        end = 0
+        for field, res, spans in planned:
+            puts = res.puts
+            for k in np.flatnonzero(np.diff(spans.bounds)).tolist():  # the puts it has rows of
+                p = puts[k]
+                if p.packed and p.put_id not in at:
+                    at[p.put_id] = end
+                    keys.append((p.data_key(field), p.packed))
+                    end += -(-p.packed // 64) * 64
+        if not keys:
+            return _Stage(None, at, [])
+        buf = self.pool.empty(end)
+        base = buf.data_ptr()
+        ops = [ReadOp(key, base + at_, n) for (key, n), at_ in zip(keys, at.values(), strict=True)]
+        return _Stage(buf, at, ops)
 
     def whole_reads(self, objects: Mapping[str, tuple[str, int]]) -> tuple[list[ReadOp], Landing]:
         """Whole-object reads of ``objects`` (field -> (key, bytes)) and where they land: buffers
@@ -215,24 +286,39 @@ class Reader:
                 if offsets is None:
                     offsets = shared[id(entry.offsets)] = torch.from_numpy(entry.offsets.copy())
             rows = n if entry.offsets is None else int(entry.offsets[-1])
-            buf = landing.buffer(field, entry.nbytes)
+            buf = landing.buffer(field, entry.nbytes, entry.at)
             values = _empty(schema, rows) if buf is None else schema.view_rows(buf, rows)
             out[field] = Column(schema, values, offsets)
         return out
 
-    def _plan_field(self, field: str, res: Resolved, spans: _Spans) -> tuple[Column, list[ReadOp], list[_Gather]]:
-        """Rows from several puts, or not in their put's order: ranged or staged reads."""
+    def _plan_field(
+        self, field: str, res: Resolved, spans: _Spans, stage: _Stage
+    ) -> tuple[Column, list[ReadOp], list[_Gather]]:
+        """Rows from several puts, or not in their put's order: ranged or staged reads (the rows of
+        packed puts from ``stage``)."""
         schema, unit = res.schema, res.schema.row_nbytes
         total = spans.total * unit
         buf = self.pool.empty(total)
         base = buf.data_ptr()
         d_all, s_all, m_all = spans.lands * unit, spans.starts * unit, spans.sizes * unit
-        nbytes = np.array([p.fields[field].nbytes for p in res.puts], dtype=np.int64)
+        puts = res.puts
+        nbytes = np.array([p.fields[field].nbytes for p in puts], dtype=np.int64)
         lo, counts = spans.bounds[:-1], np.diff(spans.bounds)
+        staged: list[tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray]] = []
+        if stage.at:  # rows of packed puts: gathered from where their objects were staged
+            at = stage.at  # a packed put none of whose rows here has bytes was not staged: no runs
+            shift = np.array(
+                [at[p.put_id] + p.fields[field].at if p.put_id in at else -1 for p in puts], dtype=np.int64
+            )
+            packed = shift >= 0
+            runs = packed[spans.put]
+            if runs.any():
+                assert stage.buf is not None
+                staged.append((stage.buf, d_all[runs], s_all[runs] + shift[spans.put[runs]], m_all[runs]))
+            counts = np.where(packed, 0, counts)
         # a put whose one run is its whole object (rows put one at a time): read in place
         one = np.flatnonzero(counts == 1)
         whole = one[(s_all[lo[one]] == 0) & (m_all[lo[one]] == nbytes[one])]
-        puts = res.puts
         keys = data_keys([puts[k] for k in whole.tolist()], field)
         ops = [
             ReadOp(key, base + d, n)
@@ -242,7 +328,6 @@ class Reader:
         if len(whole):
             rest = np.setdiff1d(rest, whole, assume_unique=True)
         can_range = bool(len(rest)) and self.handle.covers(base, total)  # ranges land in registered memory only
-        staged: list[tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray]] = []
         for k in rest.tolist():
             a, b = int(spans.bounds[k]), int(spans.bounds[k + 1])
             d, src, m = d_all[a:b], s_all[a:b], m_all[a:b]
@@ -253,9 +338,9 @@ class Reader:
             if can_range and ranged_s <= whole_s:
                 ops.append(ReadOp(key, base, size, list(zip(d.tolist(), src.tolist(), m.tolist(), strict=True))))
             else:
-                stage = self.pool.empty(size)
-                ops.append(ReadOp(key, stage.data_ptr(), size))
-                staged.append((stage, d, src, m))
+                into = self.pool.empty(size)
+                ops.append(ReadOp(key, into.data_ptr(), size))
+                staged.append((into, d, src, m))
         gathers: list[_Gather] = []
         if staged:  # one gather from every staged object: their rows may alternate row by row
             which = np.repeat(np.arange(len(staged)), [len(m) for *_, m in staged]) if len(staged) > 1 else None
@@ -265,8 +350,10 @@ class Reader:
         values = schema.view_rows(buf, rows) if total else _empty(schema, rows)
         return Column(schema, values, spans.offsets), ops, gathers
 
-    def run(self, ops: list[ReadOp], deadline: float) -> None:
-        """Issue the reads (one call, or one per 1024 keys); retry what Mooncake may recover from."""
+    def run(self, ops: list[ReadOp], deadline: float, *, guessed: bool = False) -> None:
+        """Issue the reads (one call, or one per 1024 keys); retry what Mooncake may recover from.
+        ``guessed``: the sizes are a read hint's word, so an object of another size (a short read, or
+        Mooncake's -600 for a buffer too small) means the hint is wrong: :class:`Vanished`."""
         if not ops:
             return
         for attempt in range(_ATTEMPTS):
@@ -274,21 +361,22 @@ class Reader:
             bad = [c for c in codes if c < 0]
             if not bad:
                 return
-            if NOT_FOUND in bad:
+            if NOT_FOUND in bad or (guessed and (_SHORT in bad or _INVALID in bad)):
                 raise Vanished
-            retryable = all(c in TRANSIENT or c == NOT_READY for c in bad)
+            retryable = all(c in TRANSIENT or c in (NOT_READY, _SHORT) for c in bad)
             if retryable and attempt + 1 < _ATTEMPTS and time.monotonic() < deadline:
                 time.sleep(0.02 * 2 ** min(attempt, 4))
                 continue
-            raise error_for(bad[0], f"reading {len(ops)} data objects")
+            raise error_for(-800 if bad[0] == _SHORT else bad[0], f"reading {len(ops)} data objects")
 
     def _issue(self, ops: list[ReadOp]) -> list[int]:
-        """A code per read (per range of a ranged one): 0, negative for a failure, -800 for a short read."""
+        """A code per read (per range of a ranged one): 0, negative for a failure, :data:`_SHORT` for
+        a read of another size."""
         codes: list[int] = []
         if all(op.ranges is None for op in ops):
             got = self.handle.get_into([o.key for o in ops], [o.ptr for o in ops], [o.nbytes for o in ops])
             for op, c in zip(ops, got, strict=True):
-                codes.append(c if c < 0 else (0 if c == op.nbytes else -800))
+                codes.append(c if c < 0 else (0 if c == op.nbytes else _SHORT))
             return codes
         # get_into_ranges writes only into registered memory (else -600 INVALID_PARAMS): a whole read
         # into other memory (a small field's buffer, under the pool's minimum) goes by get_into
@@ -299,5 +387,5 @@ class Reader:
         reads = [(op.ptr, op.key, op.ranges if op.ranges is not None else [(0, 0, op.nbytes)]) for op in ranged]
         for (_, _, rngs), res in zip(reads, self.handle.get_ranges(reads), strict=True):
             for (_, _, m), c in zip(rngs, res, strict=True):
-                codes.append(c if c < 0 else (0 if c == m else -800))
+                codes.append(c if c < 0 else (0 if c == m else _SHORT))
         return codes

@@ -47,6 +47,7 @@ from dataplane.adapters._mc_handle import (
     error_for,
 )
 from dataplane.adapters._mc_index import (
+    PACKED,
     ListedPuts,
     PartitionState,
     PutIndex,
@@ -60,6 +61,8 @@ from dataplane.adapters._mc_index import (
     is_index_key,
     make_index,
     new_put_id,
+    pack_layout,
+    packed_key,
     parse_index_key,
     part_token,
     partition_of_token,
@@ -86,8 +89,9 @@ __all__ = ["HINT_KEY", "READ_KEY", "MooncakeStore"]
 log = logging.getLogger(__name__)
 
 HINT_KEY = "mooncake_index"  # meta.extra_info[HINT_KEY] = {index key: index bytes} of the put
-# meta.extra_info[READ_KEY] = [index key, row count, first key, last key, {field: object bytes}]: enough to
-# start reading a put's objects before its index is even decoded (checked against the index meanwhile)
+# meta.extra_info[READ_KEY] = [index key, row count, first key, last key, {field: object bytes}, packed
+# object bytes or 0]: enough to start reading a put's objects before its index is even decoded (checked
+# against the index meanwhile)
 READ_KEY = "mooncake_read"
 _ATTEMPTS = 4
 _IDS_PER_SWEEP = 64  # put ids per regex of a partition's clear (each sweep scans the master's keys once)
@@ -98,6 +102,11 @@ _STAGE_BYTES = 64 << 10  # staging buffer of index bodies (one of 4096 rows with
 # against ~0.5 us (2-core VM, 5,000 keys either way)
 _QUERY_COST = 8
 _QUERY_MAX_KEYS = 4096  # names per query (its URL holds them all: ~70 bytes each; 5,000 were fine)
+# A put of at most this many bytes with two or more non-empty fields is packed into one data object
+# (see _mc_index): a rollout put on its own is ~50 KB in 8 fields, and every object costs Mooncake a
+# fixed time. A get of some fields of it reads the whole object: at this size that costs less than
+# another object would.
+_PACK_MAX_BYTES = 1 << 20
 
 
 def _address(body: bytes) -> int:
@@ -284,19 +293,32 @@ class MooncakeStore(KVStore):
         while it is read and a put may fill its space. Index objects go before the data objects they
         name (:meth:`_remove`), so an index still there after the read means its data objects were
         there throughout."""
+        return self._start_still_there(resolved, deadline)()
+
+    def _start_still_there(self, resolved: Mapping[str, Resolved], deadline: float) -> Callable[[], bool]:
+        """:meth:`_still_there`, asked now; the returned function waits for the answer."""
         used = {p.key for res in resolved.values() for p in res.puts}
-        return len(self._existing(sorted(used), deadline)) == len(used)
+        existing = self._start_existing(sorted(used), deadline)
+        return lambda: len(existing()) == len(used)
 
     def _existing(self, keys: Sequence[str], deadline: float) -> set[str]:
-        """Which of ``keys`` the master holds now: asked for those keys alone (``/batch_query_keys``,
-        whatever else it holds), or found in a listing where that is cheaper (the master answers a
-        query ~7x slower per key than a listing per key it lists) or the query fails."""
-        found = None
+        return self._start_existing(keys, deadline)()
+
+    def _start_existing(self, keys: Sequence[str], deadline: float) -> Callable[[], set[str]]:
+        """Ask now which of ``keys`` the master holds; the returned function waits for the answer.
+        Asked for those keys alone (``/batch_query_keys``, whatever else it holds), or found in a
+        listing where that is cheaper (the master answers a query ~7x slower per key than a listing
+        per key it lists) or the query fails."""
         if len(keys) <= _QUERY_MAX_KEYS and len(keys) * _QUERY_COST < self.admin.listed:
-            found = self.admin.start_existing(keys, self._time_left(deadline))()
-        if found is None:
-            found = set(self._listing(deadline))
-        return found.intersection(keys)
+            query = self.admin.start_existing(keys, self._time_left(deadline))
+
+            def queried() -> set[str]:
+                found = query()
+                return set(self._listing(deadline)).intersection(keys) if found is None else found.intersection(keys)
+
+            return queried
+        listing = self._start_listing(deadline)
+        return lambda: set(listing()).intersection(keys)
 
     def _listing(self, deadline: float) -> list[str]:
         return self._start_listing(deadline)()
@@ -417,28 +439,37 @@ class MooncakeStore(KVStore):
         entries: dict[str, tuple[FieldSchema, int, np.ndarray | None]] = {}
         plan = _PlannedPut(put_id, keys, tags, entries)
         arrays: dict[int, np.ndarray] = {}  # fields sharing one offsets tensor share one array (and index bytes)
+        sources: dict[str, torch.Tensor] = {}
         for name, col in columns.items():
             values = col.values if col.values.is_contiguous() else col.values.contiguous()
-            nbytes = values.nbytes
             offsets = None
             if col.offsets is not None:
                 offsets = arrays.get(id(col.offsets))
                 if offsets is None:
                     offsets = arrays[id(col.offsets)] = col.offsets.numpy().astype(np.int64, copy=False)
-            entries[name] = (col.schema, nbytes, offsets)
-            if not nbytes:  # Mooncake cannot store 0 bytes: no object, the index says 0
-                continue
-            ptr = values.data_ptr()
+            entries[name] = (col.schema, values.nbytes, offsets)
+            if values.nbytes:  # Mooncake cannot store 0 bytes: no object, the index says 0
+                sources[name] = values
+        packed = None
+        if len(sources) > 1 and sum(v.nbytes for v in sources.values()) <= _PACK_MAX_BYTES:
+            packed = pack_layout({name: n for name, (_, n, _) in entries.items()})
+            at, total = packed
+            buf = self.pool.empty(total)
+            for name, values in sources.items():
+                copy_bytes(buf[at[name] : at[name] + values.nbytes], values)
+            sources = {PACKED: buf}
+        for name, values in sources.items():
+            nbytes, ptr = values.nbytes, values.data_ptr()
             if self._stage_puts and not self.handle.reaches(ptr, nbytes):
                 values = self._staged(values, nbytes)
                 ptr = values.data_ptr()
             plan.hold.append(values)
-            plan.obj_keys.append(data_key(head, put_id, name))
+            plan.obj_keys.append(packed_key(head, put_id) if packed else data_key(head, put_id, name))
             plan.ptrs.append(ptr)
             plan.sizes.append(nbytes)
-        plan.body = encode_index(keys, entries, tags)
+        plan.body = encode_index(keys, entries, tags, packed=packed)
         plan.index_key = f"{head}i/{put_id}.{len(plan.body)}"
-        plan.index = make_index(plan.index_key, put_id, keys, entries, tags)
+        plan.index = make_index(plan.index_key, put_id, keys, entries, tags, packed)
         return plan
 
     def _put_checked(self, part: _Part, partition_id: str, plan: _PlannedPut, deadline: float) -> dict[str, Any]:
@@ -461,7 +492,7 @@ class MooncakeStore(KVStore):
         keys = plan.keys
         return {
             HINT_KEY: {plan.index_key: plan.body},
-            READ_KEY: [plan.index_key, len(keys), keys[0], keys[-1], sizes],
+            READ_KEY: [plan.index_key, len(keys), keys[0], keys[-1], sizes, plan.index.packed],
         }
 
     def _staged(self, values: torch.Tensor, nbytes: int) -> torch.Tensor:
@@ -568,10 +599,7 @@ class MooncakeStore(KVStore):
             hinted = self._whole_put(keys, fields, hints)
             if hinted is None:
                 return self._get_resolved(partition_id, part, keys, fields, hints, deadline)
-            early = (
-                hinted.key,
-                *self.reader.whole_reads({f: (hinted.data_key(f), hinted.fields[f].nbytes) for f in fields}),
-            )
+            early = (hinted.key, *self._put_reads(hinted, fields))
         index_key, ops, landing = early
         planned = _EarlyPlan(hints=hints)
         caller = threading.get_ident()
@@ -579,7 +607,7 @@ class MooncakeStore(KVStore):
         def read() -> None:
             planned.read = True
             try:
-                self.reader.run(ops, deadline)
+                self.reader.run(ops, deadline, guessed=True)
             except Vanished:
                 planned.vanished = True
             planned.listing = self._start_listing(deadline)  # asked for after the read: see _still_there
@@ -640,11 +668,12 @@ class MooncakeStore(KVStore):
         cols, fill = self.reader.plan(resolved)
 
         def finish() -> Mapping[str, Column] | None:
-            try:
-                fill(deadline)
+            check: list[Callable[[], bool]] = []
+            try:  # the check is asked once the reads are done; staged rows are gathered meanwhile
+                fill(deadline, lambda: check.append(self._start_still_there(resolved, deadline)))
             except Vanished:  # a concurrent clear removed an object: resolve and read again
                 return self._get_checked(partition_id, part, keys, fields, hints, deadline)
-            if self._still_there(resolved, deadline):
+            if check[0]():
                 return None
             return self._get_checked(partition_id, part, keys, fields, hints, deadline)
 
@@ -657,12 +686,12 @@ class MooncakeStore(KVStore):
         index decoded), and where they land; None when the hint is absent or does not fit the get.
         Only objects of this partition can be named; ``plan`` checks they are the put's."""
         hint = meta.extra_info.get(READ_KEY) if meta is not None else None
-        if not isinstance(hint, (list, tuple)) or len(hint) != 5:
+        if not isinstance(hint, (list, tuple)) or len(hint) != 6:
             return None
-        index_key, n, first, last, sizes = hint
+        index_key, n, first, last, sizes, packed = hint
         if not (isinstance(index_key, str) and isinstance(sizes, Mapping) and n == len(keys) and n > 0):
             return None
-        if keys[0] != first or keys[-1] != last:
+        if keys[0] != first or keys[-1] != last or type(packed) is not int or not 0 <= packed <= _PACK_MAX_BYTES:
             return None
         want = [sizes.get(f) for f in fields]
         nbytes = [n for n in want if type(n) is int and n >= 0]
@@ -673,9 +702,17 @@ class MooncakeStore(KVStore):
         if parsed is None:
             return None
         head = partition_prefix(self.ns, partition_id)
+        if packed:  # the whole object; where each field lies in it comes from the index (plan)
+            return index_key, *self.reader.packed_read(packed_key(head, parsed[0]), packed)
         return index_key, *self.reader.whole_reads(
             {f: (data_key(head, parsed[0], f), n) for f, n in zip(fields, nbytes, strict=True)}
         )
+
+    def _put_reads(self, put: PutIndex, fields: Sequence[str]) -> tuple[list[ReadOp], Landing]:
+        """The reads of ``fields`` of every row of ``put`` (a packed put's one object, whole)."""
+        if put.packed:
+            return self.reader.packed_read(put.data_key(fields[0]), put.packed)
+        return self.reader.whole_reads({f: (put.data_key(f), put.fields[f].nbytes) for f in fields})
 
     @staticmethod
     def _only_from(res: Resolved, p: PutIndex) -> bool:
@@ -688,8 +725,12 @@ class MooncakeStore(KVStore):
 
     @staticmethod
     def _names(hinted: PutIndex, fields: Sequence[str], ops: Sequence[ReadOp]) -> bool:
-        """Whether ``ops`` read exactly the objects of ``fields`` in put ``hinted``."""
-        want = [(hinted.data_key(f), hinted.fields[f].nbytes) for f in fields if hinted.fields[f].nbytes]
+        """Whether ``ops`` read exactly the objects of ``fields`` in put ``hinted`` (a packed put's
+        one object, whole)."""
+        if hinted.packed:
+            want = [(hinted.data_key(fields[0]), hinted.packed)]
+        else:
+            want = [(hinted.data_key(f), hinted.fields[f].nbytes) for f in fields if hinted.fields[f].nbytes]
         return want == [(op.key, op.nbytes) for op in ops]
 
     @staticmethod
