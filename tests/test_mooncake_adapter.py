@@ -724,6 +724,21 @@ class TestMooncakeAdapter:
             owner.kv_clear(partition_id="pq")
             mem.close()
 
+    @pytest.mark.parametrize(("a_bytes", "packed"), [((1 << 20) - 100, 1 << 20), ((1 << 20) - 40, 0)])
+    def test_a_put_is_packed_only_when_its_one_object_fits_the_bound(
+        self, owner: StoreClient, other: StoreClient, a_bytes: int, packed: int
+    ) -> None:
+        """The bound counts the object as stored, alignment included: 1 MiB - 100 bytes and 8 bytes
+        make exactly 1 MiB; 1 MiB - 40 bytes and 8 bytes make 64 bytes more, and go as two objects."""
+        fields = {"a": torch.randint(0, 255, (1, a_bytes), dtype=torch.uint8), "b": torch.tensor([7.0])}
+        meta = owner.kv_batch_put(["k"], fields, partition_id="bound")
+        try:
+            assert meta.extra_info["mooncake_read"][5] == packed
+            got = other.kv_batch_get(meta, select_fields=["a", "b"])
+            assert bit_exact(got["a"], fields["a"]) and got["b"].tolist() == [7.0]
+        finally:
+            owner.kv_clear(partition_id="bound")
+
     def test_batches_are_chunked(self, owner: StoreClient, other: StoreClient, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(_mc_handle, "MAX_KEYS_PER_CALL", 2)
         fields = {f"f{j}": torch.full((3, 2), j) for j in range(5)}

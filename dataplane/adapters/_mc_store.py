@@ -450,14 +450,15 @@ class MooncakeStore(KVStore):
             entries[name] = (col.schema, values.nbytes, offsets)
             if values.nbytes:  # Mooncake cannot store 0 bytes: no object, the index says 0
                 sources[name] = values
-        packed = None
-        if len(sources) > 1 and sum(v.nbytes for v in sources.values()) <= _PACK_MAX_BYTES:
-            packed = pack_layout({name: n for name, (_, n, _) in entries.items()})
+        packed = pack_layout({name: n for name, (_, n, _) in entries.items()}) if len(sources) > 1 else None
+        if packed is not None and packed[1] <= _PACK_MAX_BYTES:  # the object, alignment included
             at, total = packed
             buf = self.pool.empty(total)
             for name, values in sources.items():
                 copy_bytes(buf[at[name] : at[name] + values.nbytes], values)
             sources = {PACKED: buf}
+        else:
+            packed = None
         for name, values in sources.items():
             nbytes, ptr = values.nbytes, values.data_ptr()
             if self._stage_puts and not self.handle.reaches(ptr, nbytes):

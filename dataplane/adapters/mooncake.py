@@ -31,7 +31,11 @@ only where a data-parallel rank reads every 4th row of a large batch (over share
 faster at 16 MB and 2.3-2.7x at 128 MB; over TCP 1.1-1.6x at 128 MB only), since per-field objects
 are then read whole and gathered. One object per put holding every field is 1.1-1.5x faster at 1 MB
 and within -7% and +13% at 16 and 128 MB, but would make every get of some of the fields a ranged
-read (~40 us per range). The index object costs nothing measurable.
+read (~40 us per range). So only small puts are packed that way: a put of at most 1 MiB with two or
+more non-empty fields (a rollout put on its own, say) is one data object, its fields at 64-byte
+aligned offsets its index names, and a get reads each packed put it needs once, whole (256 such
+rollouts of 8 fields: a get of all of them 45-81 -> 11-16 ms on the 2-core VM, ``python -m
+benchmarks.results.single_row_puts URL rollouts``). The index object costs nothing measurable.
 
 Round trips. A put: one listing of the master's keys (``/get_all_keys`` on its admin port, ~0.1 ms:
 the schema check against every writer) plus one batch write. A client's later puts of the same
