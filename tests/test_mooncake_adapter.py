@@ -724,6 +724,40 @@ class TestMooncakeAdapter:
             owner.kv_clear(partition_id="pq")
             mem.close()
 
+    def test_a_packed_put_serving_one_field_whole_and_another_in_part_is_read_once(
+        self, owner: StoreClient, other: StoreClient, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """``x`` is every row of the packed put, in order (its columns view the object); ``y`` of row b
+        was re-written since, so ``y`` is gathered from two puts. The packed object must be read
+        once: named twice in one batch read, Mooncake fills only the last buffer and reports both as
+        read (a differential fuzz over TCP found ``x`` as garbage)."""
+        x = _jagged([torch.arange(40) + 1, torch.arange(30) + 100])
+        owner.kv_batch_put(["a", "b"], {"x": x, "y": torch.tensor([1.0, 2.0])}, partition_id="once")
+        owner.kv_batch_put(["b"], {"y": torch.tensor([20.0])}, partition_id="once")
+        reads = _Spy(monkeypatch, other.store.handle, ["get_into"])  # type: ignore[attr-defined]
+        try:
+            got = other.kv_batch_get(["a", "b"], partition_id="once", select_fields=["x", "y"])
+            assert got["y"].tolist() == [1.0, 20.0]
+            assert all(map(bit_exact, got["x"].unbind(), x.unbind()))
+            (call,) = [c for c in reads.args["get_into"] if any("/d/" in k for k in c[0])]
+            assert len(call[0]) == len(set(call[0])) == 2  # the packed put and the re-write of y, once each
+        finally:
+            owner.kv_clear(partition_id="once")
+
+    def test_a_key_named_twice_in_one_read_fills_every_buffer(self, owner: StoreClient) -> None:
+        handle = owner.store.handle  # type: ignore[attr-defined]
+        src = owner.empty((5000,), torch.uint8)
+        src.copy_(torch.arange(5000) % 251)
+        handle.put_from(["twice/a", "twice/b"], [src.data_ptr()] * 2, [5000] * 2)
+        try:
+            bufs = [owner.empty((5000,), torch.uint8).fill_(0) for _ in range(4)]
+            codes = handle.get_into(
+                ["twice/a", "twice/b", "twice/a", "twice/a"], [b.data_ptr() for b in bufs], [5000] * 4
+            )
+            assert codes == [5000] * 4 and all(torch.equal(b, src) for b in bufs)
+        finally:
+            handle.remove(["twice/a", "twice/b"])
+
     @pytest.mark.parametrize(("a_bytes", "packed"), [((1 << 20) - 100, 1 << 20), ((1 << 20) - 40, 0)])
     def test_a_put_is_packed_only_when_its_one_object_fits_the_bound(
         self, owner: StoreClient, other: StoreClient, a_bytes: int, packed: int

@@ -265,7 +265,19 @@ class StoreHandle:
         return out
 
     def get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
-        """``batch_get_into``, chunked; bytes read or a negative code per key."""
+        """``batch_get_into``, chunked; bytes read or a negative code per key. A key named more than
+        once goes in separate calls: in one, Mooncake fills only its last buffer and reports every
+        one as read."""
+        if len(set(keys)) < len(keys):
+            seen: set[str] = set()
+            again = [i for i, k in enumerate(keys) if k in seen or seen.add(k)]  # type: ignore[func-returns-value]
+            once = sorted(set(range(len(keys))) - set(again))
+            codes = [0] * len(keys)
+            for part in (once, again):
+                got = self.get_into([keys[i] for i in part], [ptrs[i] for i in part], [sizes[i] for i in part])
+                for i, code in zip(part, got, strict=True):
+                    codes[i] = code
+            return codes
         out: list[int] = []
         with self._enter() as st:
             for a in range(0, len(keys), MAX_KEYS_PER_CALL):

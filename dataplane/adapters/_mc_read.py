@@ -183,20 +183,13 @@ class Reader:
         )
         cols: dict[str, Column] = {}
         for fs in by_put.values():
-            p = whole[fs[0]]
-            if p.packed:
-                put_ops, put_landing = self.packed_read(p.data_key(fs[0]), p.packed)
-                ops += put_ops
-                cols.update(self.columns_over(p, fs, put_landing))
-            else:
-                cols.update(self.columns_over(p, fs, landing))
-        out: dict[str, Column] = {}
+            if not whole[fs[0]].packed:
+                cols.update(self.columns_over(whole[fs[0]], fs, landing))
         gathers: list[_Gather] = []
         seen: list[tuple[Resolved, list[np.ndarray | None], _Spans]] = []
         planned: list[tuple[str, Resolved, _Spans]] = []
         for field, res in resolved.items():
-            if field in cols:
-                out[field] = cols[field]
+            if field in cols or (res.whole is not None and res.whole.packed):
                 continue
             offs = [p.fields[field].offsets for p in res.puts]
             # fields resolved alike (the same row arrays) over the same offsets arrays share spans
@@ -212,12 +205,21 @@ class Reader:
                 field_spans = _Spans.of(res, offs, res.schema.kind != "dense")
                 seen.append((res, offs, field_spans))
             planned.append((field, res, field_spans))
-        stage = self._stage_packed(planned)
+        # every packed put is read once, into one buffer, whatever fields it serves: Mooncake fills only
+        # the last buffer of a key named twice in one batch read (and reports both as read)
+        stage = self._stage_packed([p for f, p in whole.items() if p.packed], planned)
         ops += stage.ops
+        for fs in by_put.values():
+            p = whole[fs[0]]
+            if p.packed:  # its columns view the staged object
+                assert stage.buf is not None
+                at = stage.at[p.put_id]
+                cols.update(self.columns_over(p, fs, Landing(None, {}, {}, stage.buf[at : at + p.packed])))
         for field, res, field_spans in planned:
-            out[field], field_ops, field_gathers = self._plan_field(field, res, field_spans, stage)
+            cols[field], field_ops, field_gathers = self._plan_field(field, res, field_spans, stage)
             ops += field_ops
             gathers += field_gathers
+        out = {field: cols[field] for field in resolved}
 
         def fill(deadline: float, read: Callable[[], None] | None = None) -> None:
             self.run(ops, deadline)
@@ -233,11 +235,17 @@ class Reader:
         buf = self.pool.empty(nbytes)
         return [ReadOp(key, buf.data_ptr(), nbytes)], Landing(None, {}, {}, buf)
 
-    def _stage_packed(self, planned: Sequence[tuple[str, Resolved, _Spans]]) -> _Stage:
-        """One whole read per packed put that any of ``planned`` has rows of, all into one buffer."""
+    def _stage_packed(self, whole: Sequence[PutIndex], planned: Sequence[tuple[str, Resolved, _Spans]]) -> _Stage:
+        """One whole read per packed put: those of ``whole`` and those any of ``planned`` has rows of,
+        all into one buffer."""
         at: dict[str, int] = {}
         keys: list[tuple[str, int]] = []
         end = 0
+        for p in whole:
+            if p.put_id not in at:
+                at[p.put_id] = end
+                keys.append((p.data_key(next(iter(p.fields))), p.packed))
+                end += -(-p.packed // 64) * 64
         for field, res, spans in planned:
             puts = res.puts
             for k in np.flatnonzero(np.diff(spans.bounds)).tolist():  # the puts it has rows of
