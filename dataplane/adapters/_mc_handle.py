@@ -5,6 +5,8 @@ Mooncake reports failures as negative return codes and segfaults when a store is
 raises ``ClientClosed`` after close and ``BackendUnavailable`` in a forked child, and ``close()``
 waits for calls in flight before closing the native store. A forked child never runs the native
 destructor either: the child leaks one reference to the store object (closing it there crashes).
+A batch read that names one key twice fills only the last of its buffers and reports every one as
+read (0.3.13.post1, TCP and shared memory): :meth:`StoreHandle.get_into` splits such a call.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from dataplane.adapters._mc_handle import NOT_FOUND, NOT_READY, TRANSIENT, StoreHandle, error_for
-from dataplane.adapters._mc_index import PutIndex, Resolved, data_keys
+from dataplane.adapters._mc_index import PACK_ALIGN, PutIndex, Resolved, data_keys
 from dataplane.bufpool import BufferPool
 from dataplane.codec.wire import Column
 from dataplane.hostcopy import copy_spans
@@ -238,28 +238,22 @@ class Reader:
     def _stage_packed(self, whole: Sequence[PutIndex], planned: Sequence[tuple[str, Resolved, _Spans]]) -> _Stage:
         """One whole read per packed put: those of ``whole`` and those any of ``planned`` has rows of,
         all into one buffer."""
-        at: dict[str, int] = {}
-        keys: list[tuple[str, int]] = []
+        at: dict[str, int] = {}  # put id -> where its object lands (insertion order: the reads')
+        keys: list[str] = []
+        sizes: list[int] = []
         end = 0
-        for p in whole:
-            if p.put_id not in at:
+        needed = [*whole, *(res.puts[k] for _, res, spans in planned for k in np.flatnonzero(np.diff(spans.bounds)))]
+        for p in needed:  # every packed put of ``whole``, and of the puts ``planned`` has rows of
+            if p.packed and p.put_id not in at:
                 at[p.put_id] = end
-                keys.append((p.data_key(next(iter(p.fields))), p.packed))
-                end += -(-p.packed // 64) * 64
-        for field, res, spans in planned:
-            puts = res.puts
-            for k in np.flatnonzero(np.diff(spans.bounds)).tolist():  # the puts it has rows of
-                p = puts[k]
-                if p.packed and p.put_id not in at:
-                    at[p.put_id] = end
-                    keys.append((p.data_key(field), p.packed))
-                    end += -(-p.packed // 64) * 64
+                keys.append(p.data_key(next(iter(p.fields))))
+                sizes.append(p.packed)
+                end += -(-p.packed // PACK_ALIGN) * PACK_ALIGN
         if not keys:
             return _Stage(None, at, [])
         buf = self.pool.empty(end)
         base = buf.data_ptr()
-        ops = [ReadOp(key, base + at_, n) for (key, n), at_ in zip(keys, at.values(), strict=True)]
-        return _Stage(buf, at, ops)
+        return _Stage(buf, at, [ReadOp(k, base + a, n) for k, a, n in zip(keys, at.values(), sizes, strict=True)])
 
     def whole_reads(self, objects: Mapping[str, tuple[str, int]]) -> tuple[list[ReadOp], Landing]:
         """Whole-object reads of ``objects`` (field -> (key, bytes)) and where they land: buffers

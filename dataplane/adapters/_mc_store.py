@@ -302,6 +302,7 @@ class MooncakeStore(KVStore):
         return lambda: len(existing()) == len(used)
 
     def _existing(self, keys: Sequence[str], deadline: float) -> set[str]:
+        """Which of ``keys`` the master holds now (:meth:`_start_existing`)."""
         return self._start_existing(keys, deadline)()
 
     def _start_existing(self, keys: Sequence[str], deadline: float) -> Callable[[], set[str]]:
