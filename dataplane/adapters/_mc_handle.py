@@ -271,9 +271,9 @@ class StoreHandle:
         once goes in separate calls: in one, Mooncake fills only its last buffer and reports every
         one as read."""
         if len(set(keys)) < len(keys):
-            seen: set[str] = set()
-            again = [i for i, k in enumerate(keys) if k in seen or seen.add(k)]  # type: ignore[func-returns-value]
-            once = sorted(set(range(len(keys))) - set(again))
+            first = {k: i for i, k in reversed(list(enumerate(keys)))}  # each key's first place
+            once = sorted(first.values())
+            again = [i for i, k in enumerate(keys) if first[k] != i]  # may name a key twice still: recurse
             codes = [0] * len(keys)
             for part in (once, again):
                 got = self.get_into([keys[i] for i in part], [ptrs[i] for i in part], [sizes[i] for i in part])

@@ -33,6 +33,7 @@ import msgpack
 import numpy as np
 
 from dataplane.adapters._slots import NONE, add_keys, grown, lookup, merged_tags
+from dataplane.codec.jagged import round_up
 from dataplane.errors import BackendUnavailable, InvalidArgument, SchemaError
 from dataplane.schema import FieldSchema
 
@@ -111,7 +112,7 @@ def pack_layout(sizes: Mapping[str, int]) -> tuple[dict[str, int], int]:
     at, end = {}, 0
     for field, n in sizes.items():
         at[field] = end
-        end += -(-n // PACK_ALIGN) * PACK_ALIGN
+        end += round_up(n, PACK_ALIGN)
     return at, end
 
 
@@ -119,7 +120,7 @@ def data_keys(puts: Sequence[PutIndex], field: str) -> list[str]:
     """:meth:`PutIndex.data_key` of ``field`` for each of ``puts`` (of one partition), in one pass."""
     if not puts:
         return []
-    head, token = puts[0].key[: puts[0].key.rindex("/i/") + 1], _token(field)
+    head, token = puts[0].head, _token(field)
     return [f"{head}d/{p.put_id}/{PACKED if p.packed else token}" for p in puts]
 
 
@@ -218,15 +219,19 @@ class PutIndex:
     tags: tuple[dict[str, Any], ...] | None
     packed: int = 0  # bytes of the one data object holding every field (a packed put); 0: one per field
 
+    @property
+    def head(self) -> str:
+        """:func:`partition_prefix` of its partition."""
+        return self.key[: self.key.rindex("/i/") + 1]
+
     def data_key(self, field: str) -> str:
         """The object holding ``field``'s bytes (at ``fields[field].at``)."""
-        head = self.key[: self.key.rindex("/i/") + 1]
-        return packed_key(head, self.put_id) if self.packed else data_key(head, self.put_id, field)
+        return packed_key(self.head, self.put_id) if self.packed else data_key(self.head, self.put_id, field)
 
     def object_keys(self) -> list[str]:
         """Every Mooncake key this put owns (data objects first, its index last)."""
         if self.packed:
-            return [packed_key(self.key[: self.key.rindex("/i/") + 1], self.put_id), self.key]
+            return [packed_key(self.head, self.put_id), self.key]
         return [self.data_key(f) for f, e in self.fields.items() if e.nbytes] + [self.key]
 
 

@@ -20,8 +20,9 @@ import numpy as np
 import torch
 
 from dataplane.adapters._mc_handle import NOT_FOUND, NOT_READY, TRANSIENT, StoreHandle, error_for
-from dataplane.adapters._mc_index import PACK_ALIGN, PutIndex, Resolved, data_keys
+from dataplane.adapters._mc_index import PACK_ALIGN, PutIndex, Resolved, data_keys, packed_key
 from dataplane.bufpool import BufferPool
+from dataplane.codec.jagged import round_up
 from dataplane.codec.wire import Column
 from dataplane.hostcopy import copy_spans
 from dataplane.schema import FieldSchema
@@ -246,9 +247,9 @@ class Reader:
         for p in needed:  # every packed put of ``whole``, and of the puts ``planned`` has rows of
             if p.packed and p.put_id not in at:
                 at[p.put_id] = end
-                keys.append(p.data_key(next(iter(p.fields))))
+                keys.append(packed_key(p.head, p.put_id))
                 sizes.append(p.packed)
-                end += -(-p.packed // PACK_ALIGN) * PACK_ALIGN
+                end += round_up(p.packed, PACK_ALIGN)
         if not keys:
             return _Stage(None, at, [])
         buf = self.pool.empty(end)

@@ -713,7 +713,7 @@ class MooncakeStore(KVStore):
     def _put_reads(self, put: PutIndex, fields: Sequence[str]) -> tuple[list[ReadOp], Landing]:
         """The reads of ``fields`` of every row of ``put`` (a packed put's one object, whole)."""
         if put.packed:
-            return self.reader.packed_read(put.data_key(fields[0]), put.packed)
+            return self.reader.packed_read(packed_key(put.head, put.put_id), put.packed)
         return self.reader.whole_reads({f: (put.data_key(f), put.fields[f].nbytes) for f in fields})
 
     @staticmethod
@@ -730,7 +730,7 @@ class MooncakeStore(KVStore):
         """Whether ``ops`` read exactly the objects of ``fields`` in put ``hinted`` (a packed put's
         one object, whole)."""
         if hinted.packed:
-            want = [(hinted.data_key(fields[0]), hinted.packed)]
+            want = [(packed_key(hinted.head, hinted.put_id), hinted.packed)]
         else:
             want = [(hinted.data_key(f), hinted.fields[f].nbytes) for f in fields if hinted.fields[f].nbytes]
         return want == [(op.key, op.nbytes) for op in ops]
