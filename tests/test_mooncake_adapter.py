@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 import dataplane
 from dataplane import store as store_module
 from dataplane.adapters import _mc_handle, _mc_read, _mc_store
-from dataplane.adapters._mc_index import PartitionState
+from dataplane.adapters._mc_index import PartitionState, decode_index
 from dataplane.adapters._mc_store import _STAGE_BYTES, HINT_KEY, _ids_before
 from dataplane.adapters.mooncake import MooncakeConfig, parse_bytes
 from dataplane.columns import first_write
@@ -238,6 +238,34 @@ class TestMooncakeAdapter:
                 other.kv_batch_get(old.subset([1]), select_fields="x")
         finally:
             owner.kv_clear(partition_id="stale")
+
+    def test_fields_with_equal_row_lengths_store_their_offsets_once(
+        self, owner: StoreClient, other: StoreClient, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Fields built as separate nested tensors with the same row lengths (a rollout's token
+        fields, each its own tensor) share one offsets array in the index, so a get plans their rows
+        once; a field with other lengths keeps its own. What is read back is unchanged."""
+        lens = [3, 0, 5]
+        ids = _jagged([torch.arange(n) for n in lens])
+        lp = _jagged([torch.randn(n, 2).to(torch.bfloat16) for n in lens])  # equal, not the same tensor
+        other_lens = _jagged([torch.arange(n) for n in (1, 2, 5)])  # same total, other rows
+        assert ids.offsets() is not lp.offsets()
+        pid = "shared-offsets"
+        try:
+            meta = owner.kv_batch_put(["a", "b", "c"], {"ids": ids, "lp": lp, "o": other_lens}, partition_id=pid)
+            ((key, body),) = meta.extra_info[HINT_KEY].items()
+            index = decode_index(key, key.rsplit("/", 1)[1].rsplit(".", 1)[0], body)
+            entries = index.fields
+            assert entries["ids"].offsets is entries["lp"].offsets
+            assert entries["o"].offsets is not entries["ids"].offsets
+            spans = _Spy(monkeypatch, _mc_read._Spans, ["of"])
+            got = other.kv_batch_get(["c", "a"], partition_id=pid, select_fields=["ids", "lp", "o"])
+            assert spans.calls["of"] == 2  # ids and lp together, o alone
+            assert [r.tolist() for r in got["ids"].unbind()] == [list(range(5)), list(range(3))]
+            assert bit_exact(got["lp"].values(), torch.cat([lp.unbind()[2], lp.unbind()[0]]))
+            assert [r.tolist() for r in got["o"].unbind()] == [list(range(5)), [0]]
+        finally:
+            owner.kv_clear(partition_id=pid)
 
     def test_get_of_one_whole_put_skips_folding_rows(
         self, owner: StoreClient, other: StoreClient, monkeypatch: pytest.MonkeyPatch

@@ -243,7 +243,10 @@ class Reader:
         keys: list[str] = []
         sizes: list[int] = []
         end = 0
-        needed = [*whole, *(res.puts[k] for _, res, spans in planned for k in np.flatnonzero(np.diff(spans.bounds)))]
+        needed = list(whole)
+        distinct = {(id(res.puts), id(spans)): (res.puts, spans) for _, res, spans in planned}  # fields resolved alike
+        for puts, spans in distinct.values():
+            needed += [puts[k] for k in np.flatnonzero(np.diff(spans.bounds)).tolist()]
         for p in needed:  # every packed put of ``whole``, and of the puts ``planned`` has rows of
             if p.packed and p.put_id not in at:
                 at[p.put_id] = end

@@ -30,7 +30,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,6 +144,15 @@ class _Part:
     # field -> (index key, schema) of this client's newest put holding it: while that index exists, a
     # put of the field with that schema needs no listing (see put_started)
     mine: dict[str, tuple[str, FieldSchema]] = dataclasses.field(default_factory=dict)
+
+
+def _shared_offsets(offsets: np.ndarray, known: Iterable[np.ndarray]) -> np.ndarray:
+    """``offsets``, or an equal array of ``known``: fields with the same row lengths (each built as
+    its own nested tensor, say) then store their offsets once, and a get plans their reads once."""
+    for other in known:
+        if len(other) == len(offsets) and other[-1] == offsets[-1] and np.array_equal(other, offsets):
+            return other
+    return offsets
 
 
 @dataclass
@@ -447,7 +456,9 @@ class MooncakeStore(KVStore):
             if col.offsets is not None:
                 offsets = arrays.get(id(col.offsets))
                 if offsets is None:
-                    offsets = arrays[id(col.offsets)] = col.offsets.numpy().astype(np.int64, copy=False)
+                    offsets = arrays[id(col.offsets)] = _shared_offsets(
+                        col.offsets.numpy().astype(np.int64, copy=False), arrays.values()
+                    )
             entries[name] = (col.schema, values.nbytes, offsets)
             if values.nbytes:  # Mooncake cannot store 0 bytes: no object, the index says 0
                 sources[name] = values
