@@ -273,7 +273,8 @@ def encode_index(
     packed: tuple[Mapping[str, int], int] | None = None,
 ) -> bytes:
     """msgpack of an index object. ``fields``: name -> (schema, nbytes, element offsets or None).
-    Fields sharing one offsets array (the usual per-token fields of a batch) store it once.
+    Fields sharing one offsets array (the usual per-token fields of a batch; the store passes equal
+    arrays as one) store it once.
     ``packed``: (field -> offset, object bytes) of a packed put (see :func:`pack_layout`)."""
     slots: dict[int, int] = {}  # id(offsets array) -> its place in "offsets"
     blobs: list[bytes] = []
