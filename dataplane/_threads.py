@@ -85,6 +85,7 @@ class Task:
 def _serve(tasks: queue.SimpleQueue[Task | None]) -> None:
     while (task := tasks.get()) is not None:
         task.run()
+        del task  # not held while waiting for the next: what it returned (a get's buffers) may go
 
 
 class Helper:

@@ -156,13 +156,13 @@ def _finished() -> None:
 
 
 DECODE_THREAD_ENV = "DATAPLANE_DECODE_THREAD"
-_MIN_CPUS_BESIDE = 4
+_MIN_CPUS_BESIDE = 2
 
 
 def decode_beside() -> bool:
     """Whether a get decodes on a helper thread while its transfer runs: ``$DATAPLANE_DECODE_THREAD``
-    = ``1`` or ``0``, or ``auto`` (the default): on when this process may run on at least 4 CPUs. On
-    fewer, the helper's Python competes with the transfer for the cores and gains nothing."""
+    = ``1`` or ``0``, or ``auto`` (the default): on when this process may run on at least 2 CPUs
+    (the transfer's copy runs in the store server, leaving this process's core free)."""
     mode = os.environ.get(DECODE_THREAD_ENV, "auto").strip().lower()
     if mode in ("1", "on", "true", "yes"):
         return True

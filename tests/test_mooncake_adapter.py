@@ -897,6 +897,53 @@ class TestMooncakeAdapter:
         assert [k for k in _all_keys(owner) if k.startswith("dataplane/orphans/")] == [keys[1]]
         store.handle.remove([keys[1]])  # type: ignore[attr-defined]
 
+    @pytest.mark.parametrize(("cpus", "mb", "held"), [(2, 4, True), (2, 1, False), (16, 4, False)])
+    @pytest.mark.parametrize("by", ["meta", "keys"])
+    def test_planning_beside_a_large_read_on_a_small_host_starts_once_the_read_is_under_way(
+        self, owner: StoreClient, monkeypatch: pytest.MonkeyPatch, cpus: int, mb: int, held: bool, by: str
+    ) -> None:
+        """On a host of few CPUs, Python run beside the start of a read slows the read down by as
+        long as it runs: the helper thread's planning and decoding of a large read begin only
+        ``_BESIDE_AFTER_S`` after the read is issued. Small reads, and any read on a larger host,
+        are not held. What the get returns is the same either way."""
+        pid = f"gate-{by}-{cpus}-{mb}"
+        x = torch.arange(mb << 18, dtype=torch.float32).view(4, -1)  # mb MiB
+        meta = owner.kv_batch_put(["a", "b", "c", "d"], {"x": x}, partition_id=pid)
+        monkeypatch.setenv("DATAPLANE_DECODE_THREAD", "1")
+        monkeypatch.setattr(_mc_store, "usable_cpus", lambda: cpus)
+        passed: list[tuple[bool, float | None, float, bool]] = []  # (held, read issued, wait over, on helper)
+
+        class Gate(_mc_store._Gate):
+            __slots__ = ("opened",)
+
+            def open(self) -> None:
+                self.opened = time.perf_counter()
+                super().open()
+
+            def wait(self, deadline: float) -> None:
+                super().wait(deadline)
+                helper = threading.current_thread() is not threading.main_thread()
+                passed.append((self._hold, getattr(self, "opened", None), time.perf_counter(), helper))
+
+        monkeypatch.setattr(_mc_store, "_Gate", Gate)
+        reader = dataplane.connect(owner.store.join_url)  # type: ignore[attr-defined]
+        try:
+            if by == "meta":
+                got = reader.kv_batch_get(meta, select_fields="x")
+            else:
+                reader.kv_batch_get(["a"], partition_id=pid, select_fields="x")  # its index is now cached
+                passed.clear()
+                got = reader.kv_batch_get(["a", "b", "c", "d"], partition_id=pid, select_fields="x")
+            assert bit_exact(got["x"], x)
+            ((hold, opened, over, helper),) = passed  # one read, planned or decoded beside it
+            assert helper and hold is held
+            if held:
+                assert opened is not None and over - opened >= _mc_store._BESIDE_AFTER_S
+        finally:
+            monkeypatch.undo()
+            reader.close()
+            owner.kv_clear(partition_id=pid)
+
     @pytest.mark.parametrize("how", ["by_meta", "by_meta_beside", "by_keys", "by_keys_listing"])
     def test_a_read_whose_put_goes_under_it_is_not_trusted(
         self, owner: StoreClient, monkeypatch: pytest.MonkeyPatch, how: str

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dataplane._threads import usable_cpus
 from dataplane.adapters._mc_handle import (
     NOT_FOUND,
     NOT_READY,
@@ -107,6 +108,12 @@ _QUERY_MAX_KEYS = 4096  # names per query (its URL holds them all: ~70 bytes eac
 # fixed time. A get of some fields of it reads the whole object: at this size that costs less than
 # another object would.
 _PACK_MAX_BYTES = 1 << 20
+# On a host of fewer than _BESIDE_GATED_BELOW_CPUS usable CPUs, planning and decoding beside a read of
+# at least _BESIDE_MIN_BYTES start _BESIDE_AFTER_S after the read is issued (see _Gate); smaller reads
+# end before waiting would pay.
+_BESIDE_GATED_BELOW_CPUS = 4
+_BESIDE_MIN_BYTES = 2 << 20
+_BESIDE_AFTER_S = 0.0003
 
 
 def _address(body: bytes) -> int:
@@ -170,6 +177,34 @@ class _PlannedPut:
     body: bytes = b""
     index_key: str = ""
     index: PutIndex | None = None
+
+
+class _Gate:
+    """Holds a get's Python that runs beside its read (planning, decoding) until the read is under way.
+
+    On the 2-core VM, Python run on another thread of the reader during the first ~0.1-0.3 ms of a
+    Mooncake read delays the read by about as long as it runs (a 16 MB read over shared memory:
+    +0.55 ms beside a 0.6 ms busy loop, +0.9 ms beside a get's planning and decoding), and by
+    nothing once the copy runs; on a 16-core host it delays nothing
+    (``benchmarks/results/mooncake_beside_gate*.md``). So on a small host, beside a read large
+    enough to be worth it, that work starts :data:`_BESIDE_AFTER_S` after the read is issued.
+    """
+
+    __slots__ = ("_hold", "_issued")
+
+    def __init__(self, nbytes: int) -> None:
+        self._issued = threading.Event()
+        self._hold = nbytes >= _BESIDE_MIN_BYTES and usable_cpus() < _BESIDE_GATED_BELOW_CPUS
+
+    def open(self) -> None:
+        """The read is being issued (called right before it, on the reading thread)."""
+        self._issued.set()
+
+    def wait(self, deadline: float) -> None:
+        """On the helper thread: return once the read has been under way for a moment (at once for
+        a small read); never past ``deadline``."""
+        if self._hold and self._issued.wait(max(0.0, deadline - time.monotonic())):
+            time.sleep(_BESIDE_AFTER_S)
 
 
 @dataclass(eq=False)
@@ -616,9 +651,11 @@ class MooncakeStore(KVStore):
         index_key, ops, landing = early
         planned = _EarlyPlan(hints=hints)
         caller = threading.get_ident()
+        gate = _Gate(sum(op.nbytes for op in ops))
 
         def read() -> None:
             planned.read = True
+            gate.open()
             try:
                 self.reader.run(ops, deadline, guessed=True)
             except Vanished:
@@ -629,6 +666,8 @@ class MooncakeStore(KVStore):
             try:
                 if threading.get_ident() == caller:  # in line: the master answers while columns are made
                     read()
+                else:  # beside the read, on the client's helper thread
+                    gate.wait(deadline)
                 if planned.hints is None:
                     planned.hints = self._hints(partition_id, meta, part)
                 p = self._whole_put(keys, fields, planned.hints)
@@ -679,9 +718,17 @@ class MooncakeStore(KVStore):
         """A get of anything but the rows of one put in its order: list, resolve, plan; read in ``finish``."""
         resolved = self._resolve(partition_id, part, keys, fields, hints, self._listing(deadline), deadline)
         cols, fill = self.reader.plan(resolved)
+        caller = threading.get_ident()
+        gate = _Gate(sum(c.values.nbytes for c in cols.values()))
+
+        def planned() -> Mapping[str, Column] | None:
+            if threading.get_ident() != caller:  # decoded beside the read, on the client's helper thread
+                gate.wait(deadline)
+            return cols
 
         def finish() -> Mapping[str, Column] | None:
             check: list[Callable[[], bool]] = []
+            gate.open()
             try:  # the check is asked once the reads are done; staged rows are gathered meanwhile
                 fill(deadline, lambda: check.append(self._start_still_there(resolved, deadline)))
             except Vanished:  # a concurrent clear removed an object: resolve and read again
@@ -690,7 +737,7 @@ class MooncakeStore(KVStore):
                 return None
             return self._get_checked(partition_id, part, keys, fields, hints, deadline)
 
-        return lambda: cols, finish
+        return planned, finish
 
     def _read_hint(
         self, partition_id: str, keys: Sequence[str], fields: Sequence[str], meta: KVBatchMeta | None
