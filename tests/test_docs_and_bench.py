@@ -161,6 +161,20 @@ def test_mooncake_scale_benchmark_fills_the_master_and_reads_back(tmp_path: Path
 @pytest.mark.slow
 @pytest.mark.mooncake
 @pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake is not installed")
+def test_mooncake_beside_gate_benchmark_times_every_case_and_checks_its_gets(tmp_path: Path) -> None:
+    """The gate benchmark times each kind of Python beside a raw read and each way of getting a batch
+    (it raises on a get that reads back wrong)."""
+    out = tmp_path / "gate"
+    _run_results_bench("results.mooncake_beside_gate", out, "--size-mb 4 --repeat 1")
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert len(report["raw_read_ms"]) == 6 and min(report["raw_read_ms"].values()) > 0
+    assert set(report["get_by_meta"]) == {"in line", "beside, no gate", "beside, gate"}
+    assert all(v["get_ms"] >= v["read_ms"] > 0 for v in report["get_by_meta"].values())
+
+
+@pytest.mark.slow
+@pytest.mark.mooncake
+@pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake is not installed")
 def test_mooncake_layout_benchmark_times_every_layout_and_checks_its_reads(tmp_path: Path) -> None:
     """The layout benchmark stores the objects each layout names and reads them back (bit-exact checks
     raise inside it), over both transports."""

@@ -5,7 +5,8 @@ Part ``raw``: one client reads a 16 MB RL batch (8 objects) with raw ``batch_get
 memory while a helper thread of the same process runs Python (a 0.6 ms busy loop, or a get's
 decode of the same batch), starting at once or after a delay. Part ``get``: a writer process puts
 the batch, this process gets it by the meta (``kv_batch_get``) with the decode in line, beside with
-the gate turned off, and beside with the gate; contenders alternate per repetition.
+the gate turned off, and beside with the gate held (whatever this host's CPU count; the adapter holds
+it only below 4 CPUs); contenders alternate per repetition, and each get is checked bit-exact.
 
     python -m benchmarks.results.mooncake_beside_gate [--repeat 40] [--out PATH]
 """
@@ -101,6 +102,10 @@ def raw_part(client: Any, size: int, repeat: int) -> dict[str, float]:
 
 def get_part(client: Any, size: int, repeat: int) -> dict[str, dict[str, float]]:
     """Median ms of a get by meta (and of its read alone) in line, beside ungated, beside gated."""
+    from benchmarks.workload import make_batch
+    from dataplane.testing.strategies import bit_exact
+
+    want = make_batch(size, 8).fields  # what the writer puts (the batch is seeded)
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
     writer = ctx.Process(target=_writer, args=(client.store.join_url, there, size), daemon=True)
@@ -121,26 +126,31 @@ def get_part(client: Any, size: int, repeat: int) -> dict[str, dict[str, float]]
     helper = Helper("dataplane-decode")
     modes = ("in line", "beside, no gate", "beside, gate")
     got: dict[str, tuple[list[float], list[float]]] = {m: ([], []) for m in modes}
-    min_bytes = _mc_store._BESIDE_MIN_BYTES
+    min_bytes, below = _mc_store._BESIDE_MIN_BYTES, _mc_store._BESIDE_GATED_BELOW_CPUS
     try:
         for i in range(repeat + 3):
             for mode in modes:
                 reader._beside = None if mode == "in line" else helper  # type: ignore[attr-defined]
                 _mc_store._BESIDE_MIN_BYTES = 1 << 62 if mode == "beside, no gate" else min_bytes
+                _mc_store._BESIDE_GATED_BELOW_CPUS = 1 << 30  # held on any host where the size says so
                 pid = f"gate{i}-{mode}"
                 here.send(pid)
                 meta = here.recv()
                 t0 = time.perf_counter()
                 out = reader.kv_batch_get(meta, select_fields=list(meta.fields))
                 seconds = time.perf_counter() - t0
-                if out.batch_size[0] != len(meta.keys):
-                    raise RuntimeError("short get")
+                for name, value in want.items():
+                    back = out[name]
+                    if not bit_exact(
+                        back.values() if back.is_nested else back, value.values() if value.is_nested else value
+                    ):
+                        raise RuntimeError(f"{mode}: field {name!r} read back wrong")
                 if i >= 3:
                     got[mode][0].append(seconds)
                     got[mode][1].append(reads[-1])
                 reader.kv_clear(partition_id=pid)
     finally:
-        _mc_store._BESIDE_MIN_BYTES = min_bytes
+        _mc_store._BESIDE_MIN_BYTES, _mc_store._BESIDE_GATED_BELOW_CPUS = min_bytes, below
         here.send(None)
         writer.join(30)
         helper.close()
