@@ -14,6 +14,7 @@ it only below 4 CPUs); contenders alternate per repetition, and each get is chec
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import statistics
@@ -32,13 +33,30 @@ MB = 1 << 20
 RESULTS = Path(__file__).resolve().parent
 
 
+WRITER_TIMEOUT_S = 120.0
+
+
 def _writer(url: str, conn: Connection, size: int) -> None:
     from benchmarks.workload import make_batch
 
-    with dataplane.connect(url) as client:
-        batch = make_batch(size, 8)
-        while (pid := conn.recv()) is not None:
-            conn.send(client.kv_batch_put(list(batch.keys), batch.fields, partition_id=pid))
+    try:
+        with dataplane.connect(url) as client:
+            batch = make_batch(size, 8)
+            while (pid := conn.recv()) is not None:
+                conn.send(("meta", client.kv_batch_put(list(batch.keys), batch.fields, partition_id=pid)))
+    except BaseException as e:  # the parent raises it instead of waiting for a meta that never comes
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def _put_by_writer(conn: Connection, pid: str) -> Any:
+    """The meta of the writer process's put into ``pid``; raises what the writer raised, or on a timeout."""
+    conn.send(pid)
+    if not conn.poll(WRITER_TIMEOUT_S):
+        raise TimeoutError(f"the writer process returned no meta within {WRITER_TIMEOUT_S}s")
+    kind, value = conn.recv()
+    if kind != "meta":
+        raise RuntimeError(f"the writer process failed: {value}")
+    return value
 
 
 def _spin(seconds: float) -> None:
@@ -134,8 +152,7 @@ def get_part(client: Any, size: int, repeat: int) -> dict[str, dict[str, float]]
                 _mc_store._BESIDE_MIN_BYTES = 1 << 62 if mode == "beside, no gate" else min_bytes
                 _mc_store._BESIDE_GATED_BELOW_CPUS = 1 << 30  # held on any host where the size says so
                 pid = f"gate{i}-{mode}"
-                here.send(pid)
-                meta = here.recv()
+                meta = _put_by_writer(here, pid)
                 t0 = time.perf_counter()
                 out = reader.kv_batch_get(meta, select_fields=list(meta.fields))
                 seconds = time.perf_counter() - t0
@@ -151,7 +168,8 @@ def get_part(client: Any, size: int, repeat: int) -> dict[str, dict[str, float]]
                 reader.kv_clear(partition_id=pid)
     finally:
         _mc_store._BESIDE_MIN_BYTES, _mc_store._BESIDE_GATED_BELOW_CPUS = min_bytes, below
-        here.send(None)
+        with contextlib.suppress(OSError):  # a writer that died has closed its end
+            here.send(None)
         writer.join(30)
         helper.close()
         reader.close()
