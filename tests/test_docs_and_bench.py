@@ -175,6 +175,28 @@ def test_mooncake_beside_gate_benchmark_times_every_case_and_checks_its_gets(tmp
 @pytest.mark.slow
 @pytest.mark.mooncake
 @pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake is not installed")
+def test_mooncake_floor_benchmark_times_every_contender(tmp_path: Path) -> None:
+    """The floor benchmark times raw Mooncake with and without the check and the index object, and
+    ours (it raises on a get that reads back wrong)."""
+    out = tmp_path / "floor"
+    _run_results_bench("results.mooncake_floor", out, "--size-mb 4 --repeat 1")
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert set(report["get"]["ms"]) == {"raw", "raw + check after", "raw + check beside", "ours"}
+    assert set(report["put"]["ms"]) == {
+        "raw",
+        "raw + index object",
+        "ours_zc",
+        "ours_zc write",
+        "ours_zc python before the write",
+    }
+    for part in ("get", "put"):
+        assert min(report[part]["ms"].values()) > 0 and min(report[part]["raw_over"].values()) > 0
+    assert report["put"]["ms"]["ours_zc"] > report["put"]["ms"]["ours_zc write"]
+
+
+@pytest.mark.slow
+@pytest.mark.mooncake
+@pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake is not installed")
 def test_mooncake_layout_benchmark_times_every_layout_and_checks_its_reads(tmp_path: Path) -> None:
     """The layout benchmark stores the objects each layout names and reads them back (bit-exact checks
     raise inside it), over both transports."""
