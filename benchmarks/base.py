@@ -2,11 +2,38 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks.workload import Batch
+
+
+@contextlib.contextmanager
+def timing_calls(obj: Any, name: str) -> Iterator[list[float]]:
+    """Seconds of every call of ``obj.name`` made inside the block (appended as each returns or
+    raises); the method is put back on the way out."""
+    method = getattr(obj, name)
+    own = name in vars(obj)  # set on the instance (else the class's method shows through again after)
+    seconds: list[float] = []
+
+    def timed(*a: Any, **k: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return method(*a, **k)
+        finally:
+            seconds.append(time.perf_counter() - t0)
+
+    setattr(obj, name, timed)
+    try:
+        yield seconds
+    finally:
+        if own:
+            setattr(obj, name, method)
+        else:
+            delattr(obj, name)
 
 
 @dataclass

@@ -285,3 +285,22 @@ def test_median_confidence_interval_is_the_binomial_order_statistics() -> None:
     assert median_ci95([3.0, 1.0, 2.0]) == (1.0, 3.0)  # too few for 95%: the full range
     with pytest.raises(ValueError):
         median_ci95([])
+
+
+def test_timing_calls_times_each_call_and_puts_the_method_back() -> None:
+    from benchmarks.base import timing_calls
+
+    class Thing:
+        def work(self, x: int) -> int:
+            if x < 0:
+                raise ValueError(x)
+            return x * 2
+
+    thing = Thing()
+    with timing_calls(thing, "work") as seconds:
+        assert thing.work(3) == 6
+        with pytest.raises(ValueError):
+            thing.work(-1)  # a call that raises is timed too
+    assert len(seconds) == 2 and all(s >= 0 for s in seconds)
+    assert "work" not in vars(thing)  # the instance attribute is gone: the class's method is back
+    assert thing.work(4) == 8 and len(seconds) == 2

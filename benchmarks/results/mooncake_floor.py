@@ -29,6 +29,7 @@ Put (this process):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import statistics
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import dataplane
+from benchmarks.base import timing_calls
 from benchmarks.put_get import machine_info
 from benchmarks.results.mooncake_beside_gate import _put_by_writer
 
@@ -109,8 +111,7 @@ def _get_cases(
 
 def get_part(client: Any, size: int, repeat: int) -> dict[str, Any]:
     from benchmarks.backends_mooncake import RawMooncake, field_buffers, real_client_of
-    from benchmarks.workload import make_batch
-    from dataplane.testing.strategies import bit_exact
+    from benchmarks.workload import make_batch, same_fields
 
     batch = make_batch(size, 8)
     names = [name for name, _ in field_buffers(batch)]
@@ -135,17 +136,8 @@ def get_part(client: Any, size: int, repeat: int) -> dict[str, Any]:
                 seconds = _timed(cases[name])
                 if i >= 3:
                     out[name].append(seconds)
-            if i == 3:
-                got = reader.kv_batch_get(meta, select_fields=list(meta.fields))
-                for name, want in batch.fields.items():
-                    back = got[name]
-                    parts = (
-                        [(back.values(), want.values()), (back.offsets(), want.offsets())]
-                        if want.is_nested
-                        else [(back, want)]
-                    )
-                    if not all(bit_exact(a, b) for a, b in parts):
-                        raise AssertionError(f"a get returned other bytes than the writer put in field {name!r}")
+            if i == 3 and not same_fields(reader.kv_batch_get(meta, select_fields=list(meta.fields)), batch.fields):
+                raise AssertionError("a get returned other bytes than the writer put")
             reader.kv_clear(partition_id=pid)
             raw.store.remove_by_regex(f"^{pid}/", True)
     finally:
@@ -179,20 +171,10 @@ def put_part(client: Any, size: int, repeat: int) -> dict[str, Any]:
     buffers = field_buffers(batch)
     zc = in_client_memory(batch, client)
     raw = RawMooncake(client.store.master_address, 2 * size + (64 << 20), real_client_of(client.store))
-    handle = client.store.handle
-    write = handle.put_from
-    writes: list[float] = []
-
-    def timed_write(*a: Any, **k: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return write(*a, **k)
-        finally:
-            writes.append(time.perf_counter() - t0)
-
-    handle.put_from = timed_write
     out: dict[str, list[float]] = {"raw": [], "raw + index object": [], "ours_zc": [], "ours_zc write": []}
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(raw.close)
+        writes = stack.enter_context(timing_calls(client.store.handle, "put_from"))
         raw.load(buffers)
         for i in range(repeat + 3):
             cases = _put_cases(raw, client, zc, [f"floorput{i}/{name}" for name, _ in buffers], f"floorput{i}")
@@ -206,9 +188,6 @@ def put_part(client: Any, size: int, repeat: int) -> dict[str, Any]:
                         out["ours_zc write"].append(writes[0])
             client.kv_clear(partition_id=f"floorput{i}")
             raw.store.remove_by_regex(f"^floorput{i}/", True)
-    finally:
-        handle.put_from = write
-        raw.close()
     ms = {k: statistics.median(v) * 1e3 for k, v in out.items()}
     python = [t - w for t, w in zip(out["ours_zc"], out["ours_zc write"], strict=True)]
     ms["ours_zc python before the write"] = statistics.median(python) * 1e3
