@@ -20,7 +20,8 @@ from benchmarks.workload import Batch
 
 __all__ = ["BACKENDS", "FieldSpec", "RawMooncake", "field_buffers", "field_specs", "real_client_of"]
 
-SEGMENT_BYTES = 4 << 30  # ours and the raw ceiling's objects share the one store server
+SEGMENT_BYTES = 4 << 30
+PAGE = 4096  # ours and the raw ceiling's objects share the one store server
 
 
 FieldSpec = tuple[str, torch.dtype, tuple[int, ...], torch.Tensor | None]  # name, dtype, inner shape, offsets
@@ -50,9 +51,17 @@ class RawMooncake:
 
     With ``real_client`` it attaches to that real client (``setup_dummy``) as the adapter does, and
     its arenas are shared memory from ``alloc_from_mem_pool``; otherwise it is a plain TCP client.
+
+    ``page_aligned`` (default): every object starts on a page in its arena and is padded to whole
+    pages, as the adapter pads its objects over shared memory (``_mc_index.OBJECT_ALIGN``). A store
+    server that streams its copies (``_mooncake_procs.STREAMING_COPY_TUNABLE``) copied 2-5x slower
+    where an object's bytes lay 1-700 bytes past a page boundary relative to the other side, so
+    back-to-back objects of odd sizes would slow raw down by chance; padded, raw is the ceiling.
     """
 
-    def __init__(self, master_address: str, arena_bytes: int, real_client: str | None = None) -> None:
+    def __init__(
+        self, master_address: str, arena_bytes: int, real_client: str | None = None, *, page_aligned: bool = True
+    ) -> None:
         from dataplane.adapters._mooncake_procs import apply_client_env_defaults
 
         apply_client_env_defaults()
@@ -73,7 +82,9 @@ class RawMooncake:
             arr[:] = 1  # pre-faulted
             if self.store.register_buffer(arr.ctypes.data, arr.nbytes) != 0:
                 raise RuntimeError("register_buffer failed")
-        self.sizes: list[int] = []
+        self.sizes: list[int] = []  # bytes of each object's content (see stored)
+        self.align = PAGE if page_aligned else 1
+        self._slot = max(64, self.align)  # where put_tensors / get_tensors place each tensor
 
     def _arena(self, nbytes: int, shm: bool) -> np.ndarray:
         if not shm:
@@ -85,40 +96,55 @@ class RawMooncake:
 
     def load(self, buffers: list[tuple[str, torch.Tensor]]) -> None:
         """Copy the batch into the registered source arena (untimed)."""
-        at, self.sizes = 0, []
-        for _, b in buffers:
+        self.sizes = [b.numel() for _, b in buffers]
+        for (_, b), ptr in zip(buffers, self._ptrs(self.src), strict=True):
+            at = ptr - int(self.src.ctypes.data)
             self.src[at : at + b.numel()] = b.numpy()
-            self.sizes.append(b.numel())
-            at += b.numel()
 
-    def _ptrs(self, arr: np.ndarray, align: int = 1, sizes: list[int] | None = None) -> list[int]:
+    def _padded(self, nbytes: int) -> int:
+        return -(-nbytes // self.align) * self.align
+
+    @property
+    def stored(self) -> list[int]:
+        """Bytes of each object in the store (its content, padded to :attr:`align`)."""
+        return [self._padded(n) for n in self.sizes]
+
+    def _ptrs(self, arr: np.ndarray, align: int | None = None, sizes: list[int] | None = None) -> list[int]:
         """Where each object of ``sizes`` (default ``self.sizes``) goes in ``arr``: back to back, each
-        start ``align``-aligned."""
+        start ``align``-aligned (default :attr:`align`)."""
+        step = self.align if align is None else align
         base, at, out = int(arr.ctypes.data), 0, []
         for n in self.sizes if sizes is None else sizes:
             out.append(base + at)
-            at += -(-n // align) * align
+            at += -(-n // step) * step
         return out
+
+    def read_back(self, arr: np.ndarray | None = None) -> np.ndarray:
+        """The content of every object in ``arr`` (default the destination arena), back to back."""
+        arr = self.dst if arr is None else arr
+        base = int(arr.ctypes.data)
+        return np.concatenate([arr[p - base : p - base + n] for p, n in zip(self._ptrs(arr), self.sizes, strict=True)])
 
     def put(self, keys: list[str]) -> float:
         t0 = time.perf_counter()
-        rc = self.store.batch_put_from(keys, self._ptrs(self.src), self.sizes, self.cfg)
+        rc = self.store.batch_put_from(keys, self._ptrs(self.src), self.stored, self.cfg)
         dt = time.perf_counter() - t0
         if any(c != 0 for c in rc):
             raise RuntimeError(f"raw batch_put_from failed: {rc}")
         return dt
 
     def get(self, keys: list[str]) -> float:
+        stored = self.stored
         t0 = time.perf_counter()
-        rc = self.store.batch_get_into(keys, self._ptrs(self.dst), self.sizes)
+        rc = self.store.batch_get_into(keys, self._ptrs(self.dst), stored)
         dt = time.perf_counter() - t0
-        if list(rc) != self.sizes:
+        if list(rc) != stored:
             raise RuntimeError(f"raw batch_get_into failed: {rc}")
         return dt
 
     def stage_tensors(self, specs: list[FieldSpec], buffers: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """The batch as ``kv_batch_put`` takes it (a jagged field a nested tensor; fields that share
-        offsets share them), its values in 64-byte aligned slots of the registered source arena (where
+        offsets share them), its values in page-aligned slots of the registered source arena (where
         :meth:`load` puts the bytes-only contender's batch): untimed setup, like the ``client.empty()``
         batch ``ours_zc`` puts."""
         arena = torch.from_numpy(self.src)
@@ -129,7 +155,7 @@ class RawMooncake:
             np.copyto(slot.numpy(), b.numpy())  # one thread, as load(): no OpenMP workers spin into the put
             values = slot.view(dtype).view(-1, *inner)
             out[name] = values if offsets is None else torch.nested.nested_tensor_from_jagged(values, offsets)
-            at += -(-b.numel() // 64) * 64
+            at += -(-b.numel() // self._slot) * self._slot
         self._tail = at
         return out
 
@@ -157,11 +183,11 @@ class RawMooncake:
                     slot.view(torch.int64).copy_(offsets)
                     keys.append(f"{prefix}{name}.offsets")
                     ptrs.append(slot.data_ptr())
-                    sizes.append(nbytes)
-                    at += -(-nbytes // 64) * 64
+                    sizes.append(self._padded(nbytes))
+                    at += -(-nbytes // self._slot) * self._slot
             keys.append(prefix + name)
             ptrs.append(values.data_ptr())
-            sizes.append(values.numel() * values.element_size())
+            sizes.append(self._padded(values.numel() * values.element_size()))
         rc = self.store.batch_put_from(keys, ptrs, sizes, self.cfg)
         dt = time.perf_counter() - t0
         if any(c != 0 for c in rc):
@@ -172,7 +198,7 @@ class RawMooncake:
         self, prefix: str, specs: list[FieldSpec], sizes: list[int], rows: int
     ) -> tuple[float, dict[str, torch.Tensor]]:
         """A raw get as a user needs it, of what :meth:`put_tensors` wrote: every values object and
-        offsets object read in one ``batch_get_into`` into 64-byte aligned slots of the registered
+        offsets object read in one ``batch_get_into`` into page-aligned slots of the registered
         buffer, then each field viewed as its dtype and shape, a jagged one made a nested tensor with
         torch's own constructor over the offsets just read (the tensors ``kv_batch_get`` returns).
         The reader knows the schema (``specs``: which fields share offsets), the values' byte
@@ -182,8 +208,8 @@ class RawMooncake:
             if offsets is not None:
                 owner.setdefault(id(offsets), name)
         keys = [prefix + name for name, *_ in specs] + [f"{prefix}{n}.offsets" for n in owner.values()]
-        want = [*sizes, *[(rows + 1) * 8] * len(owner)]
-        base, ptrs = int(self.dst.ctypes.data), self._ptrs(self.dst, align=64, sizes=want)
+        want = [self._padded(n) for n in [*sizes, *[(rows + 1) * 8] * len(owner)]]
+        base, ptrs = int(self.dst.ctypes.data), self._ptrs(self.dst, align=self._slot, sizes=want)
         t0 = time.perf_counter()
         rc = self.store.batch_get_into(keys, ptrs, want)
         dst = torch.from_numpy(self.dst)
@@ -215,6 +241,7 @@ _RAW: dict[str, RawMooncake] = {}  # master address -> the raw client, reused ac
 
 
 def _raw_client(master: str, nbytes: int, real_client: str | None) -> RawMooncake:
+    nbytes += 1 << 20  # room for each object's padding to whole pages (up to 256 objects)
     raw = _RAW.get(master)
     if raw is not None and raw.src.nbytes >= nbytes:
         return raw
@@ -247,7 +274,7 @@ def raw_seconds(batch: Batch, repeat: int, client: Any) -> tuple[list[float], li
         keys = [f"raw/{i}/{name}" for name, _ in buffers]
         tp = raw.put(keys)
         tg = raw.get(keys)
-        if i == 0 and not np.array_equal(raw.src[:total], raw.dst[:total]):
+        if i == 0 and not np.array_equal(raw.read_back(raw.src), raw.read_back()):
             raise RuntimeError("raw Mooncake round trip is not bit-exact")
         raw.remove(keys)
         if i:

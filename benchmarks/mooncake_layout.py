@@ -232,7 +232,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 bufs = field_buffers(batch)
                 nbytes = sum(b.numel() for _, b in bufs)
                 # source: the batch, then index bytes; destination: the same, then a staging area
-                raw = RawMooncake(store.master_address, 2 * nbytes + INDEX_BYTES, real_client_of(store))
+                raw = RawMooncake(  # its layouts place every byte themselves
+                    store.master_address, 2 * nbytes + INDEX_BYTES, real_client_of(store), page_aligned=False
+                )
                 try:
                     raw.load(bufs)
                     fields, rows = _field_cuts(batch)

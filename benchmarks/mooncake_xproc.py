@@ -176,7 +176,7 @@ def _worker(
                         ok = True
                         if verify_last and verify_last[0]:  # what the last get left in the buffer
                             want = torch.cat([t for _, t in field_buffers(batches[size])]).numpy()
-                            ok = bool((raw.dst[: sum(raw.sizes)] == want).all())
+                            ok = bool((raw.read_back() == want).all())
                         out = (dt, ok)
                     else:
                         raw.remove([k for keys in keys_of for k in keys])
@@ -205,9 +205,8 @@ def _worker(
                         raw.sizes = [b.numel() for _, b in field_buffers(batches[size])]
                         out = raw.get(keys)
                     if cmd == "raw_get" and tag.endswith("-verify"):
-                        n = sum(raw.sizes)
                         want_bytes = torch.cat([t for _, t in field_buffers(batches[size])]).numpy()
-                        out = (out, bool((raw.dst[:n] == want_bytes).all()))
+                        out = (out, bool((raw.read_back() == want_bytes).all()))
                 elif cmd == "raw_clear":
                     size, tag = args
                     keys = njt_keys.pop(tag, None) or [f"rawx/{tag}/{n}" for n, _ in field_buffers(batches[size])]

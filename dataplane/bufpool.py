@@ -102,15 +102,16 @@ class BufferPool:
         slab, at = self.slab(nbytes)
         return {} if slab is None else {name: slab[o : o + nbytes[name]] for name, o in at.items()}
 
-    def slab(self, nbytes: Mapping[str, int]) -> tuple[torch.Tensor | None, dict[str, int]]:
+    def slab(self, nbytes: Mapping[str, int], *, align: int = _ALIGN) -> tuple[torch.Tensor | None, dict[str, int]]:
         """The buffer :meth:`carve` slices and the byte offset of each entry in it (None and ``{}``
-        when no entry is large enough), for callers that need only addresses yet."""
+        when no entry is large enough), for callers that need only addresses yet. Each entry starts at
+        a multiple of ``align`` bytes."""
         at: dict[str, int] = {}
         total = 0
         for name, n in nbytes.items():
             if n >= SHARED_MIN:
                 at[name] = total
-                total += -(-n // _ALIGN) * _ALIGN
+                total += -(-n // align) * align
         return (self.empty(total) if at else None), at
 
     def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

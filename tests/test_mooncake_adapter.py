@@ -25,9 +25,11 @@ from hypothesis import strategies as st
 import dataplane
 from dataplane import store as store_module
 from dataplane.adapters import _mc_handle, _mc_read, _mc_store
-from dataplane.adapters._mc_index import PartitionState, decode_index
+from dataplane.adapters._mc_index import PartitionState, decode_index, index_object_bytes
 from dataplane.adapters._mc_store import _STAGE_BYTES, HINT_KEY, _ids_before
+from dataplane.adapters._mooncake_procs import STREAMING_COPY_ENV, STREAMING_COPY_TUNABLE, child_env, store_server_env
 from dataplane.adapters.mooncake import MooncakeConfig, parse_bytes
+from dataplane.codec.jagged import round_up
 from dataplane.columns import first_write
 from dataplane.errors import (
     BackendUnavailable,
@@ -77,6 +79,21 @@ def test_url_options() -> None:
             MooncakeConfig.from_url(bad)
     with pytest.raises(InvalidArgument):
         MooncakeConfig.from_url("mooncake://local?protocol=udp")
+
+
+def test_store_servers_stream_large_copies_unless_the_user_says_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    ours = f"{STREAMING_COPY_TUNABLE}=0x40000"
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.delenv(STREAMING_COPY_ENV, raising=False)
+    assert store_server_env()["GLIBC_TUNABLES"] == ours
+    assert "GLIBC_TUNABLES" not in child_env()  # only the store server: the processes that copy
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    assert store_server_env()["GLIBC_TUNABLES"] == f"glibc.malloc.arena_max=2:{ours}"  # the user's kept
+    monkeypatch.setenv("GLIBC_TUNABLES", f"glibc.malloc.arena_max=2:{STREAMING_COPY_TUNABLE}=0x100000")
+    assert store_server_env()["GLIBC_TUNABLES"] == f"glibc.malloc.arena_max=2:{STREAMING_COPY_TUNABLE}=0x100000"
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    monkeypatch.setenv(STREAMING_COPY_ENV, "0")
+    assert store_server_env()["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
 
 
 @given(st.integers(1, 10**19 - 1), st.integers(0, 10**19 - 1))
@@ -478,8 +495,8 @@ class TestMooncakeAdapter:
         store = owner.store  # type: ignore[attr-defined]
         small, large = bytes(range(256)) * 8, b"\x07" * (_STAGE_BYTES + 1)
         a_ptr, a = store._sendable_bytes(small)
-        if store.handle.shm is None:  # over TCP the bytes go out from where they are
-            assert a is small and ctypes.string_at(a_ptr, len(small)) == small
+        if store.handle.shm is None:  # over TCP from a copy with room for the padding of an index object
+            assert a.nbytes == index_object_bytes(len(small)) == 4096 and ctypes.string_at(a_ptr, len(small)) == small
             return
         b_ptr, b = store._sendable_bytes(small)  # the first still in use: another buffer
         assert a_ptr != b_ptr and ctypes.string_at(a_ptr, len(small)) == ctypes.string_at(b_ptr, len(small)) == small
@@ -552,8 +569,9 @@ class TestMooncakeAdapter:
         )  # fmt: skip
         try:
             _, ptrs, sizes = sends.args["put_from"][0]
-            big = [ptr for ptr, n in zip(ptrs, sizes, strict=True) if n == 8 * sum(lens)]
-            assert len(big) == 1 and all(n < 8 * sum(lens) for _, n in spy.args["_staged"])  # one object, no copy:
+            stored = round_up(8 * sum(lens), store._pad)  # padded to a page where sent from shared memory
+            big = [ptr for ptr, n in zip(ptrs, sizes, strict=True) if n == stored]
+            assert len(big) == 1 and all(n < 8 * sum(lens) for _, n, _ in spy.args["_staged"])  # one object, no copy:
             assert store.handle.shm is None or store.handle.reaches(big[0], 8 * sum(lens))  # sent where gathered
             got = owner.kv_batch_get(meta, select_fields="input_ids")["input_ids"]
             assert all(bit_exact(row, ids[i, :n]) for i, (row, n) in enumerate(zip(got.unbind(), lens, strict=True)))
@@ -736,7 +754,8 @@ class TestMooncakeAdapter:
             real_copy = _mc_read.copy_spans
             monkeypatch.setattr(_mc_read, "copy_spans", lambda *a: (gathers.append(a), real_copy(*a)))
             adv = other.kv_batch_get(keys, partition_id=pid, select_fields=["adv"])
-            assert gathers == []  # a one-field put's object is its row: read in place
+            # a one-field put's object is its row: read in place, unless padded (no room for the padding there)
+            assert (gathers == []) == (other.store._pad == 1)  # type: ignore[attr-defined]
             want_adv = mem.kv_batch_get(keys, partition_id=pid, select_fields=["adv"])
             assert bit_exact(adv["adv"].values(), want_adv["adv"].values())
             mixed = [*keys[:10], "b1", *keys[10:20], "b0"]
@@ -1026,6 +1045,60 @@ class TestMooncakeAdapter:
             assert [r.numel() for r in got.unbind()] == [0, 0]
         finally:
             owner.kv_clear(partition_id="empty")
+
+    def test_objects_fill_whole_pages_where_the_store_server_streams_its_copies(
+        self, owner: StoreClient, other: StoreClient
+    ) -> None:
+        server = owner.store.deployment.server  # type: ignore[attr-defined]
+        environ = Path(f"/proc/{server.pid}/environ").read_bytes().split(b"\0")
+        assert f"GLIBC_TUNABLES={store_server_env()['GLIBC_TUNABLES']}".encode() in environ
+        store = other.store  # type: ignore[attr-defined]
+        fields = {  # odd sizes: a jagged field, a [B] one, and one over the packing bound (objects of its own)
+            "ids": _jagged([torch.arange(n) for n in (3, 1001, 7)]),
+            "r": torch.arange(3.0),
+            "big": torch.randn(3, 100_003),
+        }
+        meta = other.kv_batch_put(["a", "b", "c"], fields, partition_id="pages")
+        try:
+            ((key, body),) = meta.extra_info[HINT_KEY].items()
+            put = decode_index(key, key.rsplit("/", 1)[1].split(".")[0], body)
+            with store.handle._enter() as st:
+                sizes = {k: st.get_size(k) for k in put.object_keys()}
+            assert sizes[key] == index_object_bytes(len(body)) and sizes[key] % 4096 == 0  # index objects: always
+            data = [put.fields[f].nbytes for f in ("ids", "r", "big")]
+            assert put.pad == store._pad == (4096 if store.handle.shm is not None else 1)
+            assert sorted(n for k, n in sizes.items() if k != key) == sorted(round_up(n, put.pad) for n in data)
+            got = owner.kv_batch_get(meta, select_fields=["ids", "r", "big"])  # by the meta: its read hint
+            assert bit_exact(got["big"], fields["big"]) and bit_exact(got["r"], fields["r"])
+            assert bit_exact(got["ids"].values(), fields["ids"].values())
+            by_keys = owner.kv_batch_get(["c", "a"], partition_id="pages", select_fields=["big", "ids"])
+            assert bit_exact(by_keys["big"], fields["big"][[2, 0]])
+            assert [r.tolist() for r in by_keys["ids"].unbind()] == [list(range(7)), list(range(3))]
+        finally:
+            other.kv_clear(partition_id="pages")
+
+    def test_reads_take_each_put_at_the_padding_its_index_names(
+        self, owner: StoreClient, other: StoreClient, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setattr(other.store, "_pad", 1)  # a writer that sends its objects as they are (TCP)
+        small = {"ids": _jagged([torch.arange(5), torch.arange(9)]), "r": torch.ones(2)}  # packed
+        big = {"x": torch.randn(2, 300_001)}  # one object of its own
+        metas = [
+            other.kv_batch_put(["a", "b"], small, partition_id="unpadded"),
+            other.kv_batch_put(["c", "d"], big, partition_id="unpadded"),
+        ]
+        monkeypatch.setattr(other.store, "_pad", owner.store._pad)  # type: ignore[attr-defined]
+        metas.append(other.kv_batch_put(["e", "f"], {"x": torch.randn(2, 300_001)}, partition_id="unpadded"))
+        try:
+            assert metas[0].extra_info["mooncake_read"][-1] == metas[1].extra_info["mooncake_read"][-1] == 1
+            got = owner.kv_batch_get(metas[0], select_fields=["ids", "r"])
+            assert bit_exact(got["ids"].values(), small["ids"].values()) and bit_exact(got["r"], small["r"])
+            assert bit_exact(owner.kv_batch_get(metas[1], select_fields="x")["x"], big["x"])
+            mixed = owner.kv_batch_get(["f", "c", "e", "d"], partition_id="unpadded", select_fields="x")["x"]
+            want = other.kv_batch_get(metas[2], select_fields="x")["x"]
+            assert bit_exact(mixed, torch.stack([want[1], big["x"][0], want[0], big["x"][1]]))
+        finally:
+            other.kv_clear(partition_id="unpadded")
 
     def test_decode_beside_the_transfer_matches_decode_before_it(
         self, owner: StoreClient, monkeypatch: pytest.MonkeyPatch

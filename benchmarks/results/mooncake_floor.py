@@ -152,7 +152,7 @@ def get_part(client: Any, size: int, repeat: int) -> dict[str, Any]:
 
 def _put_cases(raw: Any, client: Any, zc: Any, names: list[str], pid: str) -> dict[str, Callable[[], Any]]:
     """One repetition's put contenders, each writing new objects (raw's from its registered arena)."""
-    ptrs, sizes = raw._ptrs(raw.src), raw.sizes
+    ptrs, sizes = raw._ptrs(raw.src), raw.stored
     index_ptr = ptrs[-1] + sizes[-1] + 4096  # unused space of the registered source arena
     return {
         "raw": lambda: raw.store.batch_upsert_from([f"{n}.a" for n in names], ptrs, sizes, raw.cfg),

@@ -38,6 +38,7 @@ from dataplane.errors import BackendUnavailable, InvalidArgument, SchemaError
 from dataplane.schema import FieldSchema
 
 __all__ = [
+    "OBJECT_ALIGN",
     "FieldEntry",
     "ListedPuts",
     "PartitionState",
@@ -48,6 +49,7 @@ __all__ = [
     "decode_index",
     "encode_index",
     "index_lines",
+    "index_object_bytes",
     "index_prefix",
     "make_index",
     "new_put_id",
@@ -59,8 +61,18 @@ __all__ = [
     "partition_prefix",
 ]
 
-INDEX_VERSION = 3  # 3: packed puts; 2: offsets stored once, named by place; keys one newline-joined str
-_READS = (2, 3)  # versions this dataplane decodes (2 has no packed puts)
+# 4: objects padded to a page (see OBJECT_ALIGN); 3: packed puts; 2: offsets stored once, named by
+# place; keys one newline-joined str
+INDEX_VERSION = 4
+_READS = (2, 3, 4)  # versions this dataplane decodes (2 has no packed puts, 2 and 3 no padding)
+# A store server copies objects with glibc's memcpy, which streams copies past the caches
+# (_mooncake_procs.STREAMING_COPY_TUNABLE): 1.6x faster, but 2-5x slower than an ordinary copy where
+# the destination lies 1-700 bytes past the source within a page (4K aliasing; measured on the 2-core
+# VM, benchmarks/results/mooncake_streaming_copy.md). Mooncake places each object right after the
+# last, so one odd-sized object shifts every later one. A writer that sends from its own memory pads
+# every object to a multiple of this (index objects always; data objects where its index says so):
+# then objects start on a page in the segment, and reads land them on a page too.
+OBJECT_ALIGN = 4096
 PACKED = ".all"  # the data object of a packed put: a field's token never holds "."
 PACK_ALIGN = 64  # a field's offset in a packed object: any dtype's view of it is aligned
 _NS_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -114,6 +126,11 @@ def pack_layout(sizes: Mapping[str, int]) -> tuple[dict[str, int], int]:
         at[field] = end
         end += round_up(n, PACK_ALIGN)
     return at, end
+
+
+def index_object_bytes(body_bytes: int) -> int:
+    """What an index object of ``body_bytes`` occupies in the store (its key names ``body_bytes``)."""
+    return round_up(body_bytes, OBJECT_ALIGN)
 
 
 def data_keys(puts: Sequence[PutIndex], field: str) -> list[str]:
@@ -218,6 +235,12 @@ class PutIndex:
     fields: Mapping[str, FieldEntry]
     tags: tuple[dict[str, Any], ...] | None
     packed: int = 0  # bytes of the one data object holding every field (a packed put); 0: one per field
+    pad: int = 1  # its data objects are padded to a multiple of this (1: stored as they are)
+
+    def stored(self, nbytes: int) -> int:
+        """Bytes a data object of this put holding ``nbytes`` occupies in the store (what reading it whole
+        takes)."""
+        return round_up(nbytes, self.pad)
 
     @property
     def head(self) -> str:
@@ -242,6 +265,7 @@ def make_index(
     fields: Mapping[str, tuple[FieldSchema, int, np.ndarray | None]],
     tags: Sequence[Mapping[str, Any]] | None,
     packed: tuple[Mapping[str, int], int] | None = None,
+    pad: int = 1,
 ) -> PutIndex:
     """The parsed form of what :func:`encode_index` writes (for the writer's own cache)."""
     shared: dict[int, np.ndarray] = {}  # fields that shared one offsets array share its copy
@@ -261,6 +285,7 @@ def make_index(
         entries,
         None if tags is None else tuple(dict(t) for t in tags),
         0 if packed is None else packed[1],
+        pad,
     )
 
 
@@ -271,11 +296,13 @@ def encode_index(
     *,
     op: Literal["put", "del"] = "put",
     packed: tuple[Mapping[str, int], int] | None = None,
+    pad: int = 1,
 ) -> bytes:
     """msgpack of an index object. ``fields``: name -> (schema, nbytes, element offsets or None).
     Fields sharing one offsets array (the usual per-token fields of a batch; the store passes equal
     arrays as one) store it once.
-    ``packed``: (field -> offset, object bytes) of a packed put (see :func:`pack_layout`)."""
+    ``packed``: (field -> offset, object bytes) of a packed put (see :func:`pack_layout`).
+    ``pad``: its data objects are padded to a multiple of this (see :data:`OBJECT_ALIGN`)."""
     slots: dict[int, int] = {}  # id(offsets array) -> its place in "offsets"
     blobs: list[bytes] = []
     for _, _, off in fields.values():
@@ -294,6 +321,8 @@ def encode_index(
         "fields": entries,
         "tags": None if tags is None else [dict(t) for t in tags],
     }
+    if pad != 1:
+        body["g"] = pad
     if packed is not None:
         body["p"] = packed[1]
         for name, at in packed[0].items():
@@ -308,9 +337,11 @@ def decode_index(key: str, put_id: str, data: bytes) -> PutIndex:
         body = msgpack.unpackb(data, raw=False, strict_map_key=False)
         if body.get("v") not in _READS:
             raise ValueError(f"index version {body.get('v')!r}, this dataplane reads {_READS}")
-        packed = body.get("p", 0)
+        packed, pad = body.get("p", 0), body.get("g", 1)
         if type(packed) is not int or packed < 0:
             raise ValueError(f"packed object size {packed!r}")
+        if pad not in (1, OBJECT_ALIGN):
+            raise ValueError(f"objects padded to {pad!r} bytes")
         fields: dict[str, FieldEntry] = {}
         arrays = [np.frombuffer(blob, dtype="<i8").astype(np.int64) for blob in body["offsets"]]
         for name, f in body["fields"].items():
@@ -328,7 +359,7 @@ def decode_index(key: str, put_id: str, data: bytes) -> PutIndex:
         if type(joined) is not str:
             raise ValueError(f"keys are a {type(joined).__name__}, not one str")
         keys = tuple(joined.split("\n")) if joined else ()
-        return PutIndex(key, put_id, body["op"], keys, fields, tags, packed)
+        return PutIndex(key, put_id, body["op"], keys, fields, tags, packed, pad)
     except (ValueError, KeyError, TypeError, SchemaError, msgpack.UnpackException) as e:
         raise BackendUnavailable(
             f"index object {key!r} is unreadable ({type(e).__name__}: {e}); was it written by another "

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from dataplane.adapters._mc_handle import NOT_FOUND, NOT_READY, TRANSIENT, StoreHandle, error_for
-from dataplane.adapters._mc_index import PACK_ALIGN, PutIndex, Resolved, data_keys, packed_key
+from dataplane.adapters._mc_index import OBJECT_ALIGN, PACK_ALIGN, PutIndex, Resolved, data_keys, packed_key
 from dataplane.bufpool import BufferPool
 from dataplane.codec.jagged import round_up
 from dataplane.codec.wire import Column
@@ -77,7 +77,8 @@ class Landing:
         if field in self.at:
             assert self.slab is not None
             return self.slab[self.at[field] : self.at[field] + nbytes]
-        return self.own.get(field)
+        own = self.own.get(field)
+        return None if own is None else own[:nbytes]  # (it has room for the object's padding)
 
 
 # :func:`copy_spans` from staged objects: the result buffer, the objects, and per run which object
@@ -180,7 +181,11 @@ class Reader:
         for f, p in whole.items():
             by_put.setdefault(p.put_id, []).append(f)
         ops, landing = self.whole_reads(
-            {f: (p.data_key(f), p.fields[f].nbytes) for f, p in whole.items() if not p.packed}
+            {
+                f: (p.data_key(f), p.fields[f].nbytes, p.stored(p.fields[f].nbytes))
+                for f, p in whole.items()
+                if not p.packed
+            }
         )
         cols: dict[str, Column] = {}
         for fs in by_put.values():
@@ -231,10 +236,11 @@ class Reader:
 
         return out, fill
 
-    def packed_read(self, key: str, nbytes: int) -> tuple[list[ReadOp], Landing]:
-        """The whole-object read of packed put object ``key`` and where it lands."""
-        buf = self.pool.empty(nbytes)
-        return [ReadOp(key, buf.data_ptr(), nbytes)], Landing(None, {}, {}, buf)
+    def packed_read(self, key: str, stored: int) -> tuple[list[ReadOp], Landing]:
+        """The whole-object read of packed put object ``key`` (``stored`` bytes, padding included) and
+        where it lands."""
+        buf = self.pool.empty(stored)
+        return [ReadOp(key, buf.data_ptr(), stored)], Landing(None, {}, {}, buf)
 
     def _stage_packed(self, whole: Sequence[PutIndex], planned: Sequence[tuple[str, Resolved, _Spans]]) -> _Stage:
         """One whole read per packed put: those of ``whole`` and those any of ``planned`` has rows of,
@@ -251,30 +257,31 @@ class Reader:
             if p.packed and p.put_id not in at:
                 at[p.put_id] = end
                 keys.append(packed_key(p.head, p.put_id))
-                sizes.append(p.packed)
-                end += round_up(p.packed, PACK_ALIGN)
+                sizes.append(p.stored(p.packed))
+                end += round_up(sizes[-1], OBJECT_ALIGN if p.pad > 1 else PACK_ALIGN)
         if not keys:
             return _Stage(None, at, [])
         buf = self.pool.empty(end)
         base = buf.data_ptr()
         return _Stage(buf, at, [ReadOp(k, base + a, n) for k, a, n in zip(keys, at.values(), sizes, strict=True)])
 
-    def whole_reads(self, objects: Mapping[str, tuple[str, int]]) -> tuple[list[ReadOp], Landing]:
-        """Whole-object reads of ``objects`` (field -> (key, bytes)) and where they land: buffers
-        taken here, those of 1 MiB or more in one pooled slab (a field of 0 bytes has no object)."""
-        slab, at = self.pool.slab({f: n for f, (_, n) in objects.items()})
+    def whole_reads(self, objects: Mapping[str, tuple[str, int, int]]) -> tuple[list[ReadOp], Landing]:
+        """Whole-object reads of ``objects`` (field -> (key, bytes, bytes stored: its padding
+        included)) and where they land: buffers taken here, those of 1 MiB or more in one pooled slab,
+        each on a page (a field of 0 bytes has no object)."""
+        slab, at = self.pool.slab({f: stored for f, (_, _, stored) in objects.items()}, align=OBJECT_ALIGN)
         base = 0 if slab is None else slab.data_ptr()
         own: dict[str, torch.Tensor] = {}
         ops: list[ReadOp] = []
-        for field, (key, n) in objects.items():
+        for field, (key, n, stored) in objects.items():
             if not n:
                 continue
             if field in at:
                 ptr = base + at[field]
             else:
-                buf = own[field] = self.pool.empty(n)
+                buf = own[field] = self.pool.empty(stored)
                 ptr = buf.data_ptr()
-            ops.append(ReadOp(key, ptr, n))
+            ops.append(ReadOp(key, ptr, stored))
         return ops, Landing(slab, at, own)
 
     @staticmethod
@@ -309,6 +316,7 @@ class Reader:
         d_all, s_all, m_all = spans.lands * unit, spans.starts * unit, spans.sizes * unit
         puts = res.puts
         nbytes = np.array([p.fields[field].nbytes for p in puts], dtype=np.int64)
+        stored = np.array([p.stored(int(n)) for p, n in zip(puts, nbytes.tolist(), strict=True)], dtype=np.int64)
         lo, counts = spans.bounds[:-1], np.diff(spans.bounds)
         staged: list[tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray]] = []
         if stage.at:  # rows of packed puts: gathered from where their objects were staged
@@ -322,9 +330,9 @@ class Reader:
                 assert stage.buf is not None
                 staged.append((stage.buf, d_all[runs], s_all[runs] + shift[spans.put[runs]], m_all[runs]))
             counts = np.where(packed, 0, counts)
-        # a put whose one run is its whole object (rows put one at a time): read in place
+        # a put whose one run is its whole object (rows put one at a time), unpadded: read in place
         one = np.flatnonzero(counts == 1)
-        whole = one[(s_all[lo[one]] == 0) & (m_all[lo[one]] == nbytes[one])]
+        whole = one[(s_all[lo[one]] == 0) & (m_all[lo[one]] == nbytes[one]) & (stored[one] == nbytes[one])]
         keys = data_keys([puts[k] for k in whole.tolist()], field)
         ops = [
             ReadOp(key, base + d, n)
@@ -337,15 +345,15 @@ class Reader:
         for k in rest.tolist():
             a, b = int(spans.bounds[k]), int(spans.bounds[k + 1])
             d, src, m = d_all[a:b], s_all[a:b], m_all[a:b]
-            key, size = puts[k].data_key(field), int(nbytes[k])
+            key, size, room = puts[k].data_key(field), int(nbytes[k]), int(stored[k])
             need = int(m.sum())
             ranged_s = len(m) * _PIECE_S + need / _NET_BPS
             whole_s = _PIECE_S + size / _NET_BPS + need / _COPY_BPS
             if can_range and ranged_s <= whole_s:
                 ops.append(ReadOp(key, base, size, list(zip(d.tolist(), src.tolist(), m.tolist(), strict=True))))
             else:
-                into = self.pool.empty(size)
-                ops.append(ReadOp(key, into.data_ptr(), size))
+                into = self.pool.empty(room)
+                ops.append(ReadOp(key, into.data_ptr(), room))
                 staged.append((into, d, src, m))
         gathers: list[_Gather] = []
         if staged:  # one gather from every staged object: their rows may alternate row by row

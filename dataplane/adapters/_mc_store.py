@@ -48,6 +48,7 @@ from dataplane.adapters._mc_handle import (
     error_for,
 )
 from dataplane.adapters._mc_index import (
+    OBJECT_ALIGN,
     PACKED,
     ListedPuts,
     PartitionState,
@@ -58,6 +59,7 @@ from dataplane.adapters._mc_index import (
     decode_index,
     encode_index,
     index_lines,
+    index_object_bytes,
     index_prefix,
     is_index_key,
     make_index,
@@ -72,6 +74,7 @@ from dataplane.adapters._mc_index import (
 from dataplane.adapters._mc_read import Landing, Reader, ReadOp, Vanished
 from dataplane.bufpool import BufferPool
 from dataplane.client import Capabilities, Listing
+from dataplane.codec.jagged import round_up
 from dataplane.codec.wire import Column
 from dataplane.errors import (
     CapacityExceeded,
@@ -90,9 +93,9 @@ __all__ = ["HINT_KEY", "READ_KEY", "MooncakeStore"]
 log = logging.getLogger(__name__)
 
 HINT_KEY = "mooncake_index"  # meta.extra_info[HINT_KEY] = {index key: index bytes} of the put
-# meta.extra_info[READ_KEY] = [index key, row count, first key, last key, {field: object bytes}, packed
-# object bytes or 0]: enough to start reading a put's objects before its index is even decoded (checked
-# against the index meanwhile)
+# meta.extra_info[READ_KEY] = [index key, row count, first key, last key, {field: its bytes}, packed
+# object bytes or 0, what objects are padded to (see OBJECT_ALIGN)]: enough to start reading a put's
+# objects before its index is even decoded (checked against the index meanwhile)
 READ_KEY = "mooncake_read"
 _ATTEMPTS = 4
 _IDS_PER_SWEEP = 64  # put ids per regex of a partition's clear (each sweep scans the master's keys once)
@@ -114,13 +117,6 @@ _PACK_MAX_BYTES = 1 << 20
 _BESIDE_GATED_BELOW_CPUS = 4
 _BESIDE_MIN_BYTES = 2 << 20
 _BESIDE_AFTER_S = 0.0003
-
-
-def _address(body: bytes) -> int:
-    """Where the bytes of ``body`` lie (valid while ``body`` is alive)."""
-    ptr = ctypes.cast(ctypes.c_char_p(body), ctypes.c_void_p).value
-    assert ptr is not None
-    return ptr
 
 
 def _ids_before(t_ns: int) -> str:
@@ -240,6 +236,8 @@ class MooncakeStore(KVStore):
         self._index_lines = index_lines(ns)  # listings keep only this namespace's index keys
         # puts are copied into the pool (see _sendable); TCP also reads into unregistered memory
         self._stage_puts = protocol != "tcp" or handle.shm is not None
+        # data objects are padded where every source lies in this client's memory (see OBJECT_ALIGN)
+        self._pad = OBJECT_ALIGN if self._stage_puts else 1
         if handle.shm is not None:
             self.pool = BufferPool(pool_bytes, min_bytes=1, alloc=handle.shm.alloc, on_drop=handle.shm.free)
         else:
@@ -306,21 +304,22 @@ class MooncakeStore(KVStore):
         read is decoded only once it is still there after the read (see :meth:`_still_there`): a
         clear may free an index object while it is read, and a put may fill the space, so a removed
         index can read as another one's bytes."""
-        buf = self.pool.empty(max(1, sum(size for _, _, size in unread))).numpy()
+        rooms = [index_object_bytes(size) for _, _, size in unread]
+        buf = self.pool.empty(max(1, sum(rooms))).numpy()
         base, at, ptrs = int(buf.ctypes.data), 0, []
-        for _, _, size in unread:
+        for room in rooms:
             ptrs.append(base + at)
-            at += size
+            at += room
         for attempt in range(_ATTEMPTS):
-            codes = self.handle.get_into([k for _, k, _ in unread], ptrs, [s for _, _, s in unread])
+            codes = self.handle.get_into([k for _, k, _ in unread], ptrs, rooms)
             retry = [c for c in codes if c in TRANSIENT]
             if retry and attempt + 1 < _ATTEMPTS and time.monotonic() < deadline:
                 time.sleep(0.05 * 2**attempt)
                 continue
             break
         got = []
-        for (pid, key, size), ptr, code in zip(unread, ptrs, codes, strict=True):
-            if code == size:
+        for (pid, key, size), ptr, room, code in zip(unread, ptrs, rooms, codes, strict=True):
+            if code in (room, size):  # padded; or as dataplane wrote index objects before version 4
                 got.append((pid, key, ptr - base, size))
             elif code not in (NOT_FOUND, NOT_READY):  # removed after listing, or its put is in flight
                 raise error_for(code, f"reading index object {key!r}")
@@ -498,9 +497,10 @@ class MooncakeStore(KVStore):
             if values.nbytes:  # Mooncake cannot store 0 bytes: no object, the index says 0
                 sources[name] = values
         packed = pack_layout({name: n for name, (_, n, _) in entries.items()}) if len(sources) > 1 else None
+        pad = self._pad
         if packed is not None and packed[1] <= _PACK_MAX_BYTES:  # the object, alignment included
             at, total = packed
-            buf = self.pool.empty(total)
+            buf = self.pool.empty(round_up(total, pad))
             for name, values in sources.items():
                 copy_bytes(buf[at[name] : at[name] + values.nbytes], values)
             sources = {PACKED: buf}
@@ -508,16 +508,17 @@ class MooncakeStore(KVStore):
             packed = None
         for name, values in sources.items():
             nbytes, ptr = values.nbytes, values.data_ptr()
-            if self._stage_puts and not self.handle.reaches(ptr, nbytes):
-                values = self._staged(values, nbytes)
+            stored = round_up(nbytes, pad)  # the padding is whatever lies after the values
+            if self._stage_puts and not self.handle.reaches(ptr, stored):
+                values = self._staged(values, nbytes, stored)
                 ptr = values.data_ptr()
             plan.hold.append(values)
             plan.obj_keys.append(packed_key(head, put_id) if packed else data_key(head, put_id, name))
             plan.ptrs.append(ptr)
-            plan.sizes.append(nbytes)
-        plan.body = encode_index(keys, entries, tags, packed=packed)
+            plan.sizes.append(stored)
+        plan.body = encode_index(keys, entries, tags, packed=packed, pad=pad)
         plan.index_key = f"{head}i/{put_id}.{len(plan.body)}"
-        plan.index = make_index(plan.index_key, put_id, keys, entries, tags, packed)
+        plan.index = make_index(plan.index_key, put_id, keys, entries, tags, packed, pad)
         return plan
 
     def _put_checked(self, part: _Part, partition_id: str, plan: _PlannedPut, deadline: float) -> dict[str, Any]:
@@ -526,7 +527,7 @@ class MooncakeStore(KVStore):
             self._write(
                 [*plan.obj_keys, plan.index_key],
                 [*plan.ptrs, index_ptr],
-                [*plan.sizes, len(plan.body)],
+                [*plan.sizes, index_object_bytes(len(plan.body))],
                 partition_id,
                 deadline,
             )
@@ -540,34 +541,37 @@ class MooncakeStore(KVStore):
         keys = plan.keys
         return {
             HINT_KEY: {plan.index_key: plan.body},
-            READ_KEY: [plan.index_key, len(keys), keys[0], keys[-1], sizes, plan.index.packed],
+            READ_KEY: [plan.index_key, len(keys), keys[0], keys[-1], sizes, plan.index.packed, plan.index.pad],
         }
 
-    def _staged(self, values: torch.Tensor, nbytes: int) -> torch.Tensor:
-        """Contiguous ``values`` copied into the pool, for a client that sends only memory it registered
-        (RDMA) or shares (shared memory). Everything else goes out as it is: any memory over TCP, and
-        this client's own memory (from :meth:`empty`, or from a get: a write-back)."""
-        staged = self.pool.empty(nbytes)
-        copy_bytes(staged, values)  # not torch's copy_: its spinning threads would slow the send that follows
+    def _staged(self, values: torch.Tensor, nbytes: int, room: int) -> torch.Tensor:
+        """Contiguous ``values`` copied into a pool buffer of ``room`` bytes, for a client that sends only
+        memory it registered (RDMA) or shares (shared memory). Everything else goes out as it is: any
+        memory over TCP, and this client's own memory (from :meth:`empty`, or from a get: a
+        write-back) where it holds the object's padding too."""
+        staged = self.pool.empty(room)
+        copy_bytes(staged[:nbytes], values)  # not torch's copy_: its spinning threads would slow the send that follows
         return staged
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return self.pool.tensor(shape, dtype) if self._stage_puts else torch.empty(shape, dtype=dtype)
 
     def _sendable_bytes(self, body: bytes) -> tuple[int, Any]:
-        """The address of ``body`` in memory a put can send, and what keeps it there: hand that to
-        :meth:`_unstage` once written. Over TCP the bytes themselves; else a copy in a staging buffer
-        kept for the next put (this is on every put's path), or in a pool buffer when the body is
-        larger or every staging buffer is in use."""
-        if not self._stage_puts:
-            return _address(body), body
+        """The address of ``body``, padded to an index object (:func:`index_object_bytes`), in memory a
+        put can send, and what keeps it there: hand that to :meth:`_unstage` once written. A copy in a
+        staging buffer kept for the next put (this is on every put's path), or in a new buffer when
+        the body is larger or every staging buffer is in use. The padding is whatever the buffer held."""
         n = len(body)
+        if not self._stage_puts:  # over TCP any memory goes: a buffer with room for the padding
+            room = np.empty(index_object_bytes(n), dtype=np.uint8)
+            room[:n] = np.frombuffer(body, dtype=np.uint8)
+            return int(room.ctypes.data), room
         try:
-            stage = self._stages.pop() if n <= _STAGE_BYTES else None
+            stage = self._stages.pop() if index_object_bytes(n) <= _STAGE_BYTES else None
         except IndexError:  # all in use (puts from several threads): one more
             stage = None
         if stage is None:
-            buf = self.pool.empty(max(n, _STAGE_BYTES))
+            buf = self.pool.empty(max(index_object_bytes(n), _STAGE_BYTES))
             stage = (buf.data_ptr(), buf)
         ctypes.memmove(stage[0], body, n)
         return stage[0], stage
@@ -746,12 +750,14 @@ class MooncakeStore(KVStore):
         index decoded), and where they land; None when the hint is absent or does not fit the get.
         Only objects of this partition can be named; ``plan`` checks they are the put's."""
         hint = meta.extra_info.get(READ_KEY) if meta is not None else None
-        if not isinstance(hint, (list, tuple)) or len(hint) != 6:
+        if not isinstance(hint, (list, tuple)) or len(hint) != 7:
             return None
-        index_key, n, first, last, sizes, packed = hint
+        index_key, n, first, last, sizes, packed, pad = hint
         if not (isinstance(index_key, str) and isinstance(sizes, Mapping) and n == len(keys) and n > 0):
             return None
         if keys[0] != first or keys[-1] != last or type(packed) is not int or not 0 <= packed <= _PACK_MAX_BYTES:
+            return None
+        if pad not in (1, OBJECT_ALIGN):
             return None
         want = [sizes.get(f) for f in fields]
         nbytes = [n for n in want if type(n) is int and n >= 0]
@@ -763,16 +769,18 @@ class MooncakeStore(KVStore):
             return None
         head = partition_prefix(self.ns, partition_id)
         if packed:  # the whole object; where each field lies in it comes from the index (plan)
-            return index_key, *self.reader.packed_read(packed_key(head, parsed[0]), packed)
+            return index_key, *self.reader.packed_read(packed_key(head, parsed[0]), round_up(packed, pad))
         return index_key, *self.reader.whole_reads(
-            {f: (data_key(head, parsed[0], f), n) for f, n in zip(fields, nbytes, strict=True)}
+            {f: (data_key(head, parsed[0], f), n, round_up(n, pad)) for f, n in zip(fields, nbytes, strict=True)}
         )
 
     def _put_reads(self, put: PutIndex, fields: Sequence[str]) -> tuple[list[ReadOp], Landing]:
         """The reads of ``fields`` of every row of ``put`` (a packed put's one object, whole)."""
         if put.packed:
-            return self.reader.packed_read(packed_key(put.head, put.put_id), put.packed)
-        return self.reader.whole_reads({f: (put.data_key(f), put.fields[f].nbytes) for f in fields})
+            return self.reader.packed_read(packed_key(put.head, put.put_id), put.stored(put.packed))
+        return self.reader.whole_reads(
+            {f: (put.data_key(f), put.fields[f].nbytes, put.stored(put.fields[f].nbytes)) for f in fields}
+        )
 
     @staticmethod
     def _only_from(res: Resolved, p: PutIndex) -> bool:
@@ -788,9 +796,11 @@ class MooncakeStore(KVStore):
         """Whether ``ops`` read exactly the objects of ``fields`` in put ``hinted`` (a packed put's
         one object, whole)."""
         if hinted.packed:
-            want = [(packed_key(hinted.head, hinted.put_id), hinted.packed)]
+            want = [(packed_key(hinted.head, hinted.put_id), hinted.stored(hinted.packed))]
         else:
-            want = [(hinted.data_key(f), hinted.fields[f].nbytes) for f in fields if hinted.fields[f].nbytes]
+            want = [
+                (hinted.data_key(f), hinted.stored(hinted.fields[f].nbytes)) for f in fields if hinted.fields[f].nbytes
+            ]
         return want == [(op.key, op.nbytes) for op in ops]
 
     @staticmethod
@@ -933,11 +943,11 @@ class MooncakeStore(KVStore):
                 key = f"{index_prefix(self.ns, partition_id)}{put_id}.{len(body)}"
                 ptr, buf = self._sendable_bytes(body)
                 try:
-                    self._write([key], [ptr], [len(body)], partition_id, deadline)
+                    self._write([key], [ptr], [index_object_bytes(len(body))], partition_id, deadline)
                 except CapacityExceeded:  # a full store must still be clearable: free space, then retry
                     self._remove(doomed_objects)
                     doomed_objects = []
-                    self._write([key], [ptr], [len(body)], partition_id, deadline)
+                    self._write([key], [ptr], [index_object_bytes(len(body))], partition_id, deadline)
                 finally:
                     self._unstage(buf)
                 known[put_id] = decode_index(key, put_id, body)

@@ -64,6 +64,10 @@ __all__ = [
     "client_env_defaults",
     "apply_client_env_defaults",
     "child_env",
+    "store_server_env",
+    "STREAMING_COPY_ENV",
+    "STREAMING_COPY_FROM",
+    "STREAMING_COPY_TUNABLE",
     "find_master_binary",
     "reserve_ports",
     "SERVER_READY_PREFIX",
@@ -81,6 +85,20 @@ _ENV_DEFAULTS: dict[str, str] = {
     # Default 20 retries (~90 s) when the master is unreachable; 2 gives up after ~9 s.
     "MC_STORE_CLIENT_SETUP_RETRIES": "2",
 }
+
+# A store server copies every object between its segment and a client's memory with glibc's memcpy
+# (over shared memory the real client copies both ways). glibc streams a copy past the caches
+# (non-temporal stores) only above a threshold it derives from the cache size it detects: 192 MiB on
+# the 2-core VM, so 16 MB and 128 MB batches went through the caches. Streamed from 256 KiB up, raw
+# Mooncake's 16 MB get there took 1.6 ms instead of 2.5 and a 64 MB one 4.6 instead of 7.9, and the
+# reader's own caches stayed warm (benchmarks/results/mooncake_streaming_copy.md). Such a copy is 2-5x
+# slower where the destination lies 1-700 bytes past the source within a page; objects padded to
+# whole pages (_mc_index.OBJECT_ALIGN) keep both sides on a page. A value the user gave this tunable
+# in GLIBC_TUNABLES wins; DATAPLANE_STREAMING_COPY=0 leaves glibc's own.
+STREAMING_COPY_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
+STREAMING_COPY_ENV = "DATAPLANE_STREAMING_COPY"
+STREAMING_COPY_FROM = 256 << 10
+
 
 SERVER_READY_PREFIX = "DATAPLANE_MOONCAKE_SERVER_READY "
 SERVER_ERROR_PREFIX = "DATAPLANE_MOONCAKE_SERVER_ERROR "
@@ -116,6 +134,22 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     apply_client_env_defaults(env)
     if extra:
         env.update(extra)
+    return env
+
+
+def store_server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """:func:`child_env` for a store server: also copies of 256 KiB or more streamed past the caches
+    (:data:`STREAMING_COPY_TUNABLE`), unless ``GLIBC_TUNABLES`` already sets that tunable or
+    ``$DATAPLANE_STREAMING_COPY`` is ``0``. Other tunables are kept; glibc ignores this one where it
+    does not apply (not x86)."""
+    env = child_env(extra)
+    if env.get(STREAMING_COPY_ENV, "1").strip() == "0":
+        return env
+    tunables = env.get("GLIBC_TUNABLES", "")
+    if any(t.partition("=")[0].strip() == STREAMING_COPY_TUNABLE for t in tunables.split(":")):
+        return env
+    ours = f"{STREAMING_COPY_TUNABLE}={STREAMING_COPY_FROM:#x}"
+    env["GLIBC_TUNABLES"] = f"{tunables}:{ours}" if tunables.strip(":") else ours
     return env
 
 
@@ -672,7 +706,7 @@ def start_store_server(
         argv = [sys.executable, "-P", str(Path(__file__).with_name("_mooncake_server.py")), *server_args]
     else:
         raise ValueError("launch must be 'module' or 'path'")
-    proc, log_path = _spawn_logged(argv, "server", pipes=True, env=child_env(extra_env))
+    proc, log_path = _spawn_logged(argv, "server", pipes=True, env=store_server_env(extra_env))
     h = StoreServerHandle(
         pid=proc.pid, host=host, master_address=addr, segment_bytes=int(segment_bytes), log_path=log_path, _proc=proc
     )
@@ -735,7 +769,7 @@ def start_real_client(
             f"--device_names={rdma_devices}",
             f"--threads={max(1, min(os.cpu_count() or 1, 8))}",
         ]
-        proc, log_path = _spawn_logged(argv, "client", release=socks, env=child_env())
+        proc, log_path = _spawn_logged(argv, "client", release=socks, env=store_server_env())
         h = StoreServerHandle(
             pid=proc.pid,
             host=host,

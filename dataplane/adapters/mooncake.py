@@ -86,7 +86,9 @@ Running on a cluster (one master, one store server per node that lends memory)::
     # head node
     mooncake_master --rpc_address=0.0.0.0 --rpc_port=50051 --metrics_port=9003 --client_ttl=10
     # every node that lends memory (routable address of this node; 64 GiB here): a real client, so
-    # the processes of that node reach it through shared memory
+    # the processes of that node reach it through shared memory; its copies of 256 KiB and more
+    # streamed past the caches, as mooncake://local starts it (_mooncake_procs.STREAMING_COPY_TUNABLE)
+    GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x40000 \\
     mooncake_client --master_server_address=HEAD:50051 --metadata_server=P2PHANDSHAKE --host=$NODE_IP \\
         --port=50052 --global_segment_size=68719476736 --protocol=rdma --device_names=mlx5_0,mlx5_1
     # every process of the job, on a node running a real client
