@@ -197,6 +197,25 @@ def test_mooncake_floor_benchmark_times_every_contender(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.mooncake
 @pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake is not installed")
+def test_streaming_copy_benchmark_compares_both_deployments(tmp_path: Path) -> None:
+    """The streaming-copy benchmark starts one store server streaming its copies and one with glibc's
+    own, and times raw (padded and odd) and ours on each, checking what each read back."""
+    out = tmp_path / "streaming"
+    _run_results_bench("results.mooncake_streaming_copy", out, "--sizes 2 --repeat 1 --segment-gib 1")
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["store_server_tunables"] == {"streamed": "glibc.cpu.x86_non_temporal_threshold=0x40000", "glibc": ""}
+    cell = report["2MB"]
+    assert cell["bit_exact"] is True
+    assert set(cell["ms"]) == {
+        f"{d} {c} {op}" for d in ("streamed", "glibc") for c in ("raw", "raw odd", "ours") for op in ("put", "get")
+    }
+    assert min(cell["ms"].values()) > 0 and len(cell["paired"]) == 12 and min(cell["paired"].values()) > 0
+    assert set(report["memcpy_32MB_ms"]) == {"glibc", "streamed"}
+
+
+@pytest.mark.slow
+@pytest.mark.mooncake
+@pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake is not installed")
 def test_mooncake_layout_benchmark_times_every_layout_and_checks_its_reads(tmp_path: Path) -> None:
     """The layout benchmark stores the objects each layout names and reads them back (bit-exact checks
     raise inside it), over both transports."""
