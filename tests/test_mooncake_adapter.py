@@ -756,6 +756,7 @@ class TestMooncakeAdapter:
             adv = other.kv_batch_get(keys, partition_id=pid, select_fields=["adv"])
             # a one-field put's object is its row: read in place, unless padded (no room for the padding there)
             assert (gathers == []) == (other.store._pad == 1)  # type: ignore[attr-defined]
+            assert all(len(g[1]) == 1 for g in gathers)  # padded: all 40 objects staged in one buffer
             want_adv = mem.kv_batch_get(keys, partition_id=pid, select_fields=["adv"])
             assert bit_exact(adv["adv"].values(), want_adv["adv"].values())
             mixed = [*keys[:10], "b1", *keys[10:20], "b0"]

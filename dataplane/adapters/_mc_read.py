@@ -342,19 +342,34 @@ class Reader:
         if len(whole):
             rest = np.setdiff1d(rest, whole, assume_unique=True)
         can_range = bool(len(rest)) and self.handle.covers(base, total)  # ranges land in registered memory only
-        for k in rest.tolist():
-            a, b = int(spans.bounds[k]), int(spans.bounds[k + 1])
-            d, src, m = d_all[a:b], s_all[a:b], m_all[a:b]
-            key, size, room = puts[k].data_key(field), int(nbytes[k]), int(stored[k])
-            need = int(m.sum())
-            ranged_s = len(m) * _PIECE_S + need / _NET_BPS
-            whole_s = _PIECE_S + size / _NET_BPS + need / _COPY_BPS
-            if can_range and ranged_s <= whole_s:
-                ops.append(ReadOp(key, base, size, list(zip(d.tolist(), src.tolist(), m.tolist(), strict=True))))
-            else:
-                into = self.pool.empty(room)
-                ops.append(ReadOp(key, into.data_ptr(), room))
-                staged.append((into, d, src, m))
+        bulk = rest  # read whole into one staging buffer, then gathered
+        if can_range:
+            whole_ks = []
+            for k in rest.tolist():
+                a, b = int(spans.bounds[k]), int(spans.bounds[k + 1])
+                d, src, m = d_all[a:b], s_all[a:b], m_all[a:b]
+                size, need = int(nbytes[k]), int(m.sum())
+                ranged_s = len(m) * _PIECE_S + need / _NET_BPS
+                whole_s = _PIECE_S + size / _NET_BPS + need / _COPY_BPS
+                if ranged_s <= whole_s:
+                    key = puts[k].data_key(field)
+                    ops.append(ReadOp(key, base, size, list(zip(d.tolist(), src.tolist(), m.tolist(), strict=True))))
+                else:
+                    whole_ks.append(k)
+            bulk = np.array(whole_ks, dtype=np.int64)
+        if len(bulk):  # each on a page of the buffer where every object is padded to pages
+            rooms = stored[bulk]
+            unit = OBJECT_ALIGN if not (rooms % OBJECT_ALIGN).any() else PACK_ALIGN
+            slots = -(-rooms // unit) * unit
+            lands = np.cumsum(slots) - slots
+            into = self.pool.empty(int(slots.sum()))
+            first = into.data_ptr()
+            keys = data_keys([puts[k] for k in bulk.tolist()], field)
+            ops += [ReadOp(key, first + o, r) for key, o, r in zip(keys, lands.tolist(), rooms.tolist(), strict=True)]
+            landed = np.full(len(puts), -1, dtype=np.int64)  # where each put's object lands in ``into``
+            landed[bulk] = lands
+            mine = landed[spans.put] >= 0
+            staged.append((into, d_all[mine], s_all[mine] + landed[spans.put[mine]], m_all[mine]))
         gathers: list[_Gather] = []
         if staged:  # one gather from every staged object: their rows may alternate row by row
             which = np.repeat(np.arange(len(staged)), [len(m) for *_, m in staged]) if len(staged) > 1 else None
