@@ -12,6 +12,10 @@ Layout in Mooncake (one namespace ``ns`` per deployment or job):
   tombstone index (``op="del"``) the same way. The size in the name lets a reader fetch an index it
   has only seen in a listing with one ``batch_get_into`` and no size query.
 
+Every index object is stored padded to whole pages, and so is every data object of a writer that
+sends from its own memory (shared memory, RDMA; its index says so): see :data:`OBJECT_ALIGN`. The
+padding bytes are unspecified and never read as data.
+
 ``part`` and ``field`` are percent-encoded so they hold only ``[A-Za-z0-9_%-]`` (no ``/`` and nothing
 a regex treats specially). A ``put_id`` is ``{time_ns:019d}-{writer}``: sortable by time, unique per
 writer, strictly increasing within a process. A later put supersedes an earlier one per
