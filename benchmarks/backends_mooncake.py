@@ -17,6 +17,7 @@ import torch
 
 from benchmarks.base import BenchBackend
 from benchmarks.workload import Batch
+from dataplane.codec.jagged import round_up
 
 __all__ = ["BACKENDS", "FieldSpec", "RawMooncake", "field_buffers", "field_specs", "real_client_of"]
 
@@ -102,7 +103,7 @@ class RawMooncake:
             self.src[at : at + b.numel()] = b.numpy()
 
     def _padded(self, nbytes: int) -> int:
-        return -(-nbytes // self.align) * self.align
+        return round_up(nbytes, self.align)
 
     @property
     def stored(self) -> list[int]:
@@ -116,7 +117,7 @@ class RawMooncake:
         base, at, out = int(arr.ctypes.data), 0, []
         for n in self.sizes if sizes is None else sizes:
             out.append(base + at)
-            at += -(-n // step) * step
+            at += round_up(n, step)
         return out
 
     def read_back(self, arr: np.ndarray | None = None) -> np.ndarray:
@@ -155,7 +156,7 @@ class RawMooncake:
             np.copyto(slot.numpy(), b.numpy())  # one thread, as load(): no OpenMP workers spin into the put
             values = slot.view(dtype).view(-1, *inner)
             out[name] = values if offsets is None else torch.nested.nested_tensor_from_jagged(values, offsets)
-            at += -(-b.numel() // self._slot) * self._slot
+            at += round_up(b.numel(), self._slot)
         self._tail = at
         return out
 
@@ -184,7 +185,7 @@ class RawMooncake:
                     keys.append(f"{prefix}{name}.offsets")
                     ptrs.append(slot.data_ptr())
                     sizes.append(self._padded(nbytes))
-                    at += -(-nbytes // self._slot) * self._slot
+                    at += round_up(nbytes, self._slot)
             keys.append(prefix + name)
             ptrs.append(values.data_ptr())
             sizes.append(self._padded(values.numel() * values.element_size()))

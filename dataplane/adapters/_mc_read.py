@@ -154,6 +154,16 @@ class _Stage:
     ops: list[ReadOp]
 
 
+def _runs_in(
+    buf: torch.Tensor, where: np.ndarray, put: np.ndarray, lands: np.ndarray, starts: np.ndarray, sizes: np.ndarray
+) -> tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray]:
+    """The runs (``put``, ``lands``, ``starts``, ``sizes``: per run, as in :class:`_Spans`, in bytes) of
+    the puts whose bytes of the field lie in ``buf``, from ``where[k]`` on for put k (-1: not there),
+    as a source of the gather: (buf, where each lands, where it starts in buf, its size)."""
+    mine = where[put] >= 0
+    return buf, lands[mine], starts[mine] + where[put[mine]], sizes[mine]
+
+
 def _empty(schema: FieldSchema, rows: int) -> torch.Tensor:
     return torch.empty((rows, *schema.inner_shape), dtype=schema.dtype)
 
@@ -325,10 +335,9 @@ class Reader:
                 [at[p.put_id] + p.fields[field].at if p.put_id in at else -1 for p in puts], dtype=np.int64
             )
             packed = shift >= 0
-            runs = packed[spans.put]
-            if runs.any():
+            if packed[spans.put].any():
                 assert stage.buf is not None
-                staged.append((stage.buf, d_all[runs], s_all[runs] + shift[spans.put[runs]], m_all[runs]))
+                staged.append(_runs_in(stage.buf, shift, spans.put, d_all, s_all, m_all))
             counts = np.where(packed, 0, counts)
         # a put whose one run is its whole object (rows put one at a time), unpadded: read in place
         one = np.flatnonzero(counts == 1)
@@ -359,8 +368,8 @@ class Reader:
             bulk = np.array(whole_ks, dtype=np.int64)
         if len(bulk):  # each on a page of the buffer where every object is padded to pages
             rooms = stored[bulk]
-            unit = OBJECT_ALIGN if not (rooms % OBJECT_ALIGN).any() else PACK_ALIGN
-            slots = -(-rooms // unit) * unit
+            step = OBJECT_ALIGN if not (rooms % OBJECT_ALIGN).any() else PACK_ALIGN
+            slots = -(-rooms // step) * step
             lands = np.cumsum(slots) - slots
             into = self.pool.empty(int(slots.sum()))
             first = into.data_ptr()
@@ -368,8 +377,7 @@ class Reader:
             ops += [ReadOp(key, first + o, r) for key, o, r in zip(keys, lands.tolist(), rooms.tolist(), strict=True)]
             landed = np.full(len(puts), -1, dtype=np.int64)  # where each put's object lands in ``into``
             landed[bulk] = lands
-            mine = landed[spans.put] >= 0
-            staged.append((into, d_all[mine], s_all[mine] + landed[spans.put[mine]], m_all[mine]))
+            staged.append(_runs_in(into, landed, spans.put, d_all, s_all, m_all))
         gathers: list[_Gather] = []
         if staged:  # one gather from every staged object: their rows may alternate row by row
             which = np.repeat(np.arange(len(staged)), [len(m) for *_, m in staged]) if len(staged) > 1 else None
