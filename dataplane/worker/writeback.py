@@ -50,7 +50,7 @@ def _rows_of(name: str, value: Any) -> int:
 def _pack_padded(name: str, value: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
     """Padded ``[B, W, *inner]`` -> jagged nested tensor of the valid prefix of each row (on its device)."""
     if value.dim() < 2:
-        raise InvalidArgument(f"token field {name!r} must be padded [B, W, ...], got shape {tuple(value.shape)}")
+        raise SchemaError(f"token field {name!r} must be padded [B, W, ...], got shape {tuple(value.shape)}")
     width = int(value.size(1))
     longest = max(lengths, default=0)
     if longest > width:
