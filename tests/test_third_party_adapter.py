@@ -83,3 +83,11 @@ class TestSqliteAdapterConformance(ClientConformance):
         self, *, capacity_bytes: int | None = None, capacity_rows: int | None = None
     ) -> DataPlaneClient:
         return dataplane.connect("sqlite://", capacity_bytes=capacity_bytes, capacity_rows=capacity_rows)
+
+
+def test_the_code_docs_extending_quotes_is_the_example_s() -> None:
+    doc = (EXAMPLE.parents[1] / "docs" / "extending.md").read_text()
+    source = (EXAMPLE / "dataplane_sqlite" / "store.py").read_text()
+    start = doc.index("def _row_bytes(")
+    quoted = doc[start : doc.index("```", start)].rstrip()
+    assert quoted in source, "docs/extending.md quotes _row_bytes differently from the example: update one"
