@@ -7,13 +7,16 @@ the store/client split. See docs/extending.md.
 from dataplane.client import Capabilities, Listing
 from dataplane.codec.wire import Column
 from dataplane.errors import missing_rows_error
-from dataplane.schema import FieldSchema, SchemaRegistry, check_compatible, schema_of
+from dataplane.meta import KVBatchMeta
+from dataplane.schema import FieldKind, FieldSchema, SchemaRegistry, check_compatible, schema_of
 from dataplane.store import KVStore
 
 __all__ = [
     "Capabilities",
     "Column",
+    "FieldKind",
     "FieldSchema",
+    "KVBatchMeta",
     "KVStore",
     "Listing",
     "SchemaRegistry",

@@ -21,11 +21,11 @@ import numpy as np
 import torch
 
 from dataplane.errors import BackendUnavailable, CapacityExceeded, DataPlaneTimeout, InvalidArgument
-from dataplane.meta import KVBatchMeta
 from dataplane.storage import (
     Capabilities,
     Column,
     FieldSchema,
+    KVBatchMeta,
     KVStore,
     Listing,
     check_compatible,
