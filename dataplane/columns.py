@@ -20,6 +20,7 @@ from tensordict import NonTensorStack, TensorDict, TensorDictBase
 
 from dataplane.client import DataPlaneClient, PadValues
 from dataplane.codec.jagged import lengths_of, pack, pack_nested, to_nested
+from dataplane.codec.objects import object_array_of
 from dataplane.codec.wire import Layout
 from dataplane.errors import InvalidArgument, SchemaError
 from dataplane.meta import KVBatchMeta
@@ -33,10 +34,16 @@ or None (use ``attention_mask`` when present)."""
 
 def _as_dict(fields: TensorDictBase | Mapping[str, Any], what: str) -> dict[str, Any]:
     if isinstance(fields, TensorDictBase):
-        return {k: fields.get(k) for k in fields.keys()}
+        return {k: _unwrapped(fields.get(k)) for k in fields.keys()}
     if isinstance(fields, Mapping):
-        return dict(fields)
+        return {k: _unwrapped(v) for k, v in fields.items()}
     raise SchemaError(f"{what} must be a TensorDict or a dict of fields, got {type(fields).__name__}")
+
+
+def _unwrapped(value: Any) -> Any:
+    """A per-row numpy object array for the one ``NonTensorData`` a TensorDict wraps it in."""
+    objects = object_array_of(value)
+    return value if objects is None else objects
 
 
 def _num_rows(field: str, value: Any) -> int:
@@ -50,7 +57,7 @@ def _num_rows(field: str, value: Any) -> int:
         return len(value)
     raise SchemaError(
         f"field {field!r} has unsupported type {type(value).__name__}; use a tensor, a nested tensor, "
-        "a list of row tensors, or a list of Python objects"
+        "a list of row tensors, or a list or numpy object array of Python objects"
     )
 
 

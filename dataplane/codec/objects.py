@@ -2,6 +2,13 @@
 
 msgpack is the only codec used unless the caller names a field in ``pickle_fields``: unpickling
 bytes read from a shared store runs whatever code the writer put there.
+
+A column of objects may be given as a list or tuple, a ``NonTensorStack``, or a numpy object array
+of shape ``(B,)`` (common in RL code: one prompt, message log or ground truth per row), also inside a
+TensorDict, which wraps such an array as one ``NonTensorData``. Whatever it was given as, it is
+read back as a ``NonTensorStack`` of the decoded objects (``td[field]`` and ``.tolist()`` give a
+list). Its elements follow the rules of a list's: msgpack's types (tuples come back as lists), or
+pickle for fields named in ``pickle_fields``.
 """
 
 from __future__ import annotations
@@ -13,12 +20,25 @@ from typing import Any
 import msgpack
 import numpy as np
 import torch
+from tensordict import NonTensorData
 
 from dataplane.codec.jagged import offsets_from_lengths
 from dataplane.errors import SchemaError
 from dataplane.schema import ObjectCodecName
 
-__all__ = ["decode_objects", "encode_objects"]
+__all__ = ["decode_objects", "encode_objects", "object_array_of"]
+
+
+def object_array_of(value: Any) -> np.ndarray | None:
+    """The numpy object array of per-row objects that ``value`` is or wraps, else None.
+
+    A TensorDict stores a numpy object array as one ``NonTensorData`` (tensordict's form of a
+    batch-level value); an object array with a batch dim is one object per row all the same.
+    """
+    data = value.data if isinstance(value, NonTensorData) else value
+    if isinstance(data, np.ndarray) and data.dtype == object and data.ndim >= 1:
+        return data
+    return None
 
 
 def _encode_one(obj: Any, codec: ObjectCodecName) -> bytes:

@@ -25,7 +25,7 @@ from dataplane.codec.jagged import (
     pack_nested,
     to_nested,
 )
-from dataplane.codec.objects import decode_objects, encode_objects
+from dataplane.codec.objects import decode_objects, encode_objects, object_array_of
 from dataplane.errors import InvalidArgument, SchemaError
 from dataplane.schema import FieldSchema, dtype_name, schema_of
 
@@ -102,10 +102,13 @@ def _column_from(
     if isinstance(value, NonTensorStack):
         value = value.tolist()
     elif isinstance(value, NonTensorData):
-        raise SchemaError(
-            f"field {field!r} holds one value for the whole batch; per-row fields only -- "
-            "put batch-level values in meta.extra_info"
-        )
+        objects = object_array_of(value)  # a TensorDict wraps a per-row object array as one value
+        if objects is None:
+            raise SchemaError(
+                f"field {field!r} holds one value for the whole batch; per-row fields only -- "
+                "put batch-level values in meta.extra_info"
+            )
+        value = objects
     elif isinstance(value, TensorDictBase):
         raise SchemaError(f"field {field!r} is a nested TensorDict; flatten it first (td.flatten_keys('.'))")
     if isinstance(value, np.ndarray):

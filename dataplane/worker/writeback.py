@@ -24,6 +24,7 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDictBase
 
 from dataplane.codec.jagged import offsets_from_lengths, pack_nested, to_nested
+from dataplane.codec.objects import object_array_of
 from dataplane.errors import InvalidArgument, SchemaError
 from dataplane.meta import KVBatchMeta
 
@@ -50,7 +51,7 @@ def _rows_of(name: str, value: Any) -> int:
 def _pack_padded(name: str, value: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
     """Padded ``[B, W, *inner]`` -> jagged nested tensor of the valid prefix of each row (on its device)."""
     if value.dim() < 2:
-        raise InvalidArgument(f"token field {name!r} must be padded [B, W, ...], got shape {tuple(value.shape)}")
+        raise SchemaError(f"token field {name!r} must be padded [B, W, ...], got shape {tuple(value.shape)}")
     width = int(value.size(1))
     longest = max(lengths, default=0)
     if longest > width:
@@ -134,6 +135,8 @@ def prepare_writeback(
     out: dict[str, Any] = {}
     for key, value in items:
         name = str(key)
+        if (objects := object_array_of(value)) is not None:
+            value = objects  # a per-row object array, which a TensorDict wraps as one NonTensorData
         rows = _rows_of(name, value)
         if rows != meta.size:
             raise InvalidArgument(
