@@ -63,7 +63,7 @@ class RawMooncake:
     def __init__(
         self, master_address: str, arena_bytes: int, real_client: str | None = None, *, page_aligned: bool = True
     ) -> None:
-        from dataplane.adapters._mooncake_procs import apply_client_env_defaults
+        from dataplane.adapters.mooncake import apply_client_env_defaults
 
         apply_client_env_defaults()
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from dataplane._threads import Helper, usable_cpus
+from dataplane._host.threads import Helper, usable_cpus
 from dataplane.client import (
     Capabilities,
     DataPlaneClient,

@@ -24,10 +24,11 @@ from hypothesis import strategies as st
 
 import dataplane
 from dataplane import store as store_module
+from dataplane._host.mooncake_master import child_env
 from dataplane.adapters import _mc_handle, _mc_read, _mc_store
 from dataplane.adapters._mc_index import PartitionState, decode_index, index_object_bytes
 from dataplane.adapters._mc_store import _STAGE_BYTES, HINT_KEY, _ids_before
-from dataplane.adapters._mooncake_procs import STREAMING_COPY_ENV, STREAMING_COPY_TUNABLE, child_env, store_server_env
+from dataplane.adapters._mooncake_procs import STREAMING_COPY_ENV, STREAMING_COPY_TUNABLE, store_server_env
 from dataplane.adapters.mooncake import MooncakeConfig, parse_bytes
 from dataplane.codec.jagged import round_up
 from dataplane.columns import first_write

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import dataplane
+from dataplane._host import mooncake_master, processes
 from dataplane.adapters import _mc_shm, _mooncake_procs
 from dataplane.adapters._mc_shm import Arena, ShmArenas
 from dataplane.adapters.mooncake import MooncakeConfig
@@ -187,7 +188,7 @@ def test_shared_memory_that_cannot_be_mapped_is_a_capacity_error() -> None:
 
 def test_a_real_client_that_exits_at_start_is_reported_with_its_log(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DATAPLANE_MOONCAKE_CLIENT", "/bin/false")  # exits 1 at once, like a port clash
-    master = _mooncake_procs.MasterHandle(host="127.0.0.1", rpc_port=1, metrics_port=1, pid=os.getpid())
+    master = mooncake_master.MasterHandle(host="127.0.0.1", rpc_port=1, metrics_port=1, pid=os.getpid())
     with pytest.raises(RuntimeError, match="exited rc=1"):
         _mooncake_procs.start_real_client(master, segment_bytes=1 << 20, attempts=2)
-    assert not [h for h in _mooncake_procs._LIVE if isinstance(h, _mooncake_procs.StoreServerHandle) and h.alive()]
+    assert not [h for h in processes._LIVE if isinstance(h, _mooncake_procs.StoreServerHandle) and h.alive()]

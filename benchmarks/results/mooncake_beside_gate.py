@@ -27,7 +27,7 @@ from typing import Any
 import dataplane
 from benchmarks.base import timing_calls
 from benchmarks.put_get import machine_info
-from dataplane._threads import Helper
+from dataplane._host.threads import Helper
 from dataplane.adapters import _mc_store
 
 MB = 1 << 20

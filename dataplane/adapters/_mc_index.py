@@ -36,7 +36,7 @@ from urllib.parse import quote, unquote
 import msgpack
 import numpy as np
 
-from dataplane.adapters._slots import NONE, add_keys, grown, lookup, merged_tags
+from dataplane._host.slots import NONE, add_keys, grown, lookup, merged_tags
 from dataplane.codec.jagged import round_up
 from dataplane.errors import BackendUnavailable, InvalidArgument, SchemaError
 from dataplane.schema import FieldSchema

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dataplane._host.bufpool import BufferPool
+from dataplane._host.hostcopy import copy_spans
 from dataplane.adapters._mc_handle import NOT_FOUND, NOT_READY, TRANSIENT, StoreHandle, error_for
 from dataplane.adapters._mc_index import OBJECT_ALIGN, PACK_ALIGN, PutIndex, Resolved, data_keys, packed_key
-from dataplane.bufpool import BufferPool
 from dataplane.codec.jagged import round_up
 from dataplane.codec.wire import Column
-from dataplane.hostcopy import copy_spans
 from dataplane.schema import FieldSchema
 
 __all__ = ["Landing", "ReadOp", "Reader", "Vanished"]

@@ -37,7 +37,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from dataplane._threads import usable_cpus
+from dataplane._host.bufpool import BufferPool
+from dataplane._host.hostcopy import copy_bytes
+from dataplane._host.threads import usable_cpus
 from dataplane.adapters._mc_handle import (
     NOT_FOUND,
     NOT_READY,
@@ -72,7 +74,6 @@ from dataplane.adapters._mc_index import (
     partition_prefix,
 )
 from dataplane.adapters._mc_read import Landing, Reader, ReadOp, Vanished
-from dataplane.bufpool import BufferPool
 from dataplane.client import Capabilities, Listing
 from dataplane.codec.jagged import round_up
 from dataplane.codec.wire import Column
@@ -83,7 +84,6 @@ from dataplane.errors import (
     KeyNotFound,
     missing_rows_error,
 )
-from dataplane.hostcopy import copy_bytes
 from dataplane.meta import KVBatchMeta
 from dataplane.schema import FieldSchema, check_compatible
 from dataplane.store import KVStore, PutRest

@@ -25,7 +25,7 @@ import time
 READY_PREFIX = "DATAPLANE_MOONCAKE_SERVER_READY "
 ERROR_PREFIX = "DATAPLANE_MOONCAKE_SERVER_ERROR "
 
-_ENV_DEFAULTS = {  # keep in sync with _mooncake_procs._ENV_DEFAULTS (this file must not import it)
+_ENV_DEFAULTS = {  # keep in sync with dataplane._host.mooncake_master._ENV_DEFAULTS (this file must not import it)
     "MC_LOG_LEVEL": "WARNING",
     "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
     "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535",

@@ -17,7 +17,7 @@ Facts this module is built on (measured on ``transferqueue`` 0.1.11):
 * ``tq.close()`` kills the shared controller in *every* process; a non-owner must only close its
   own client. No TQ path closes the Mooncake store client; we do.
 * Mooncake ``auto_init`` pkills every ``mooncake_master`` on the host: we always use
-  ``auto_init: false`` and run our own master (``_mooncake_procs.start_master``), stopped by PID.
+  ``auto_init: false`` and run our own master (``dataplane._host.mooncake_master.start_master``), stopped by PID.
 * Every Mooncake client lends ``global_segment_size`` bytes and objects placed there die with that
   process. The owner lends ``mooncake_segment_bytes``; it then re-stores the shared config with
   ``mooncake_worker_segment_bytes`` (default 0), so processes that attach lend nothing.
@@ -173,7 +173,7 @@ def tq_env(cfg: TQDeployConfig) -> dict[str, str]:
         "TQ_CLIENT_ZMQ_IO_THREADS": str(min(8, cores)),
     }
     if cfg.storage == "mooncake":
-        from dataplane.adapters._mooncake_procs import client_env_defaults
+        from dataplane._host.mooncake_master import client_env_defaults
 
         env.update(client_env_defaults())
     env.update({str(k): str(v) for k, v in cfg.tq_env.items()})
@@ -644,7 +644,7 @@ def start_or_attach(cfg: TQDeployConfig | None = None) -> TQDeployment:
         if controller is not None:
             conf = _wait_for_config(controller, deadline)
             if conf.backend.storage_backend == "MooncakeStore":
-                from dataplane.adapters._mooncake_procs import apply_client_env_defaults
+                from dataplane._host.mooncake_master import apply_client_env_defaults
 
                 apply_client_env_defaults()  # read at store setup, which tq.init does below
                 _check_mooncake_master(conf)
@@ -714,7 +714,7 @@ def _start_owned(dep: TQDeployment, deadline: float) -> None:
             if not _tcp_reachable(dep.master_address):
                 raise RuntimeError(f"mooncake_master_address {dep.master_address} is not reachable")
         else:
-            from dataplane.adapters._mooncake_procs import start_master
+            from dataplane._host.mooncake_master import start_master
 
             t0 = time.monotonic()
             dep.master = start_master(host=cfg.local_hostname)

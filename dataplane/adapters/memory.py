@@ -20,13 +20,13 @@ from urllib.parse import parse_qs, urlparse
 import numpy as np
 import torch
 
-from dataplane.adapters._slots import NONE, add_keys, grown, lookup, merged_tags
-from dataplane.bufpool import BufferPool, default_pool
+from dataplane._host.bufpool import BufferPool, default_pool
+from dataplane._host.hostcopy import copy_spans
+from dataplane._host.slots import NONE, add_keys, grown, lookup, merged_tags
 from dataplane.client import Capabilities, Listing
 from dataplane.codec.jagged import offsets_from_lengths
 from dataplane.codec.wire import Column
 from dataplane.errors import CapacityExceeded, DataPlaneTimeout, InvalidArgument, missing_rows_error
-from dataplane.hostcopy import copy_spans
 from dataplane.meta import KVBatchMeta
 from dataplane.registry import url_option
 from dataplane.schema import FieldSchema, check_compatible

@@ -126,10 +126,11 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 from urllib.parse import parse_qs, urlparse
 
-from dataplane.adapters import _mooncake_procs as procs
+from dataplane._host.mooncake_master import MasterHandle, apply_client_env_defaults, start_master
 from dataplane.adapters._mc_handle import AdminClient, StoreHandle
 from dataplane.adapters._mc_index import check_ns
 from dataplane.adapters._mc_store import HINT_KEY, MooncakeStore
+from dataplane.adapters._mooncake_procs import StoreServerHandle, start_real_client, start_store_server
 from dataplane.errors import BackendUnavailable, InvalidArgument
 from dataplane.registry import url_bool, url_option
 from dataplane.store import StoreClient
@@ -256,8 +257,8 @@ class MooncakeConfig:
 class LocalDeployment:
     """The master and store server a ``mooncake://local`` client started (and stops)."""
 
-    master: procs.MasterHandle
-    server: procs.StoreServerHandle
+    master: MasterHandle
+    server: StoreServerHandle
 
     @property
     def pids(self) -> tuple[int, int]:
@@ -302,18 +303,18 @@ def connect(url_or_config: str | MooncakeConfig | None = None, **options: Any) -
         cfg = url_or_config
     else:
         cfg = MooncakeConfig.from_url(url_or_config or "mooncake://local", **options)
-    procs.apply_client_env_defaults()
+    apply_client_env_defaults()
     deployment: LocalDeployment | None = None
     if cfg.master is None:
         try:
-            master = procs.start_master(host="127.0.0.1", client_ttl_s=cfg.client_ttl_s)
+            master = start_master(host="127.0.0.1", client_ttl_s=cfg.client_ttl_s)
         except (RuntimeError, OSError) as e:
             raise BackendUnavailable(f"could not start mooncake_master: {e}") from e
         try:
             if cfg.shm:
-                server = procs.start_real_client(master, segment_bytes=cfg.segment_bytes, protocol=cfg.protocol)
+                server = start_real_client(master, segment_bytes=cfg.segment_bytes, protocol=cfg.protocol)
             else:
-                server = procs.start_store_server(
+                server = start_store_server(
                     master, segment_bytes=cfg.segment_bytes, launch="path", protocol=cfg.protocol
                 )
         except BaseException as e:
