@@ -15,7 +15,7 @@ import torch
 from conftest_tq import ray_for_module, requires_mooncake, requires_tq
 
 import dataplane
-from dataplane.adapters._tq_deploy import CONTROLLER_NAME, STORAGE_UNIT_NAME, TQ_NAMESPACE
+from dataplane.adapters.transfer_queue._deploy_config import CONTROLLER_NAME, STORAGE_UNIT_NAME, TQ_NAMESPACE
 from dataplane.errors import BackendUnavailable, CapacityExceeded, DataPlaneTimeout
 
 pytestmark = [pytest.mark.tq, pytest.mark.slow, requires_tq]

@@ -16,7 +16,7 @@ Controller round trips (ZMQ requests to the ``TransferQueueController``), measur
 * get by keys: 2, sent concurrently (the rows' metadata and the requested fields' schema keys), so
   the latency is about one.
 
-On SimpleStorage a put's fields travel as one packed TQ field (:mod:`dataplane.adapters._tq_pack`),
+On SimpleStorage a put's fields travel as one packed TQ field (:mod:`dataplane.adapters.transfer_queue._pack`),
 so TQ's per-(row, field) cost is paid once per row.
 
 Everything before the storage write is validation: a schema conflict raises ``SchemaError`` and
@@ -35,19 +35,8 @@ from typing import Any
 
 from tensordict import TensorDict
 
-from dataplane.adapters._tq_deploy import TQDeployment
-from dataplane.adapters._tq_mooncake import MooncakeData, ReadPlan
-from dataplane.adapters._tq_pack import (
-    ParsedPack,
-    StaleSchema,
-    column_of,
-    marker_after_put,
-    pack_columns,
-    pack_field,
-    packs_of_marker,
-    parse_pack,
-)
-from dataplane.adapters._tq_wire import (
+from dataplane.adapters.transfer_queue._deployment import TQDeployment
+from dataplane.adapters.transfer_queue._layout import (
     MARKER,
     decode_schemas,
     is_reserved,
@@ -57,6 +46,17 @@ from dataplane.adapters._tq_wire import (
     signature_matches,
     split_fields,
     to_tq,
+)
+from dataplane.adapters.transfer_queue._mooncake_backend import MooncakeData, ReadPlan
+from dataplane.adapters.transfer_queue._pack import (
+    ParsedPack,
+    StaleSchema,
+    column_of,
+    marker_after_put,
+    pack_columns,
+    pack_field,
+    packs_of_marker,
+    parse_pack,
 )
 from dataplane.client import Listing
 from dataplane.codec.wire import Column

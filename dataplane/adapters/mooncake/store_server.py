@@ -1,6 +1,6 @@
 """A dedicated Mooncake store-server process: mounts a segment into the pool and holds it.
 
-Started by ``_mooncake_procs.start_store_server``; stdlib + mooncake only (it may be run by path
+Started by ``dataplane.adapters.mooncake._servers.start_store_server``; stdlib + mooncake only (it may be run by path
 with ``python -P``, so it must not import ``dataplane``). Protocol with the parent:
 
 * exactly one line on the ORIGINAL stdout: ``DATAPLANE_MOONCAKE_SERVER_READY {json}`` or

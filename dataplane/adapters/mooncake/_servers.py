@@ -2,7 +2,7 @@
 
 Data in Mooncake dies with the process whose segment holds it, so ``mooncake://local`` runs one
 dedicated server: a Mooncake "real client" (``mooncake_client``, shared memory with the clients of
-this host) or our plain store server (:mod:`._mooncake_server`, reached over TCP). Both are
+this host) or our plain store server (:mod:`.store_server`, reached over TCP). Both are
 supervised children (:mod:`dataplane._host.processes`); the master comes from
 :mod:`dataplane._host.mooncake_master`. Never imports ``mooncake``.
 """
@@ -38,12 +38,10 @@ __all__ = [
 
 # A store server copies every object between its segment and a client's memory with glibc's memcpy
 # (over shared memory the real client copies both ways). glibc streams a copy past the caches
-# (non-temporal stores) only above a threshold it derives from the cache size it detects: 192 MiB on
-# the 2-core VM, so 16 MB and 128 MB batches went through the caches. Streamed from 256 KiB up, raw
-# Mooncake's 16 MB get there took 1.6 ms instead of 2.5 and a 64 MB one 4.6 instead of 7.9, and the
-# reader's own caches stayed warm (benchmarks/results/mooncake_streaming_copy.md). Such a copy is 2-5x
-# slower where the destination lies 1-700 bytes past the source within a page; objects padded to
-# whole pages (_mc_index.OBJECT_ALIGN) keep both sides on a page. A value the user gave this tunable
+# (non-temporal stores) only above a threshold it derives from the cache size it detects, often far
+# above a batch's objects; streamed from 256 KiB up, large gets are faster and the reader's own caches
+# stay warm. Such a copy is several times slower where the destination lies 1-700 bytes past the
+# source within a page; objects padded to whole pages (_index.OBJECT_ALIGN) keep both sides on a page. A value the user gave this tunable
 # in GLIBC_TUNABLES wins; DATAPLANE_STREAMING_COPY=0 leaves glibc's own.
 STREAMING_COPY_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
 STREAMING_COPY_ENV = "DATAPLANE_STREAMING_COPY"
@@ -111,7 +109,7 @@ class StoreServerHandle(ProcHandle):
 
 
 def _package_root() -> str:
-    return str(Path(__file__).resolve().parents[2])  # .../<root>/dataplane/adapters/this.py
+    return str(Path(__file__).resolve().parents[3])  # .../<root>/dataplane/adapters/mooncake/this.py
 
 
 def _read_line(fd_file: IO[bytes], timeout_s: float, proc: subprocess.Popen[bytes]) -> tuple[str | None, str]:
@@ -147,7 +145,7 @@ def start_store_server(
 ) -> StoreServerHandle:
     """Spawn a process that mounts a ``segment_bytes`` segment into the pool and just holds it.
 
-    It runs ``python -m dataplane.adapters._mooncake_server`` (``launch="module"``) or the file by
+    It runs ``python -m dataplane.adapters.mooncake.store_server`` (``launch="module"``) or the file by
     path with ``python -P`` (``launch="path"``: does not import ``dataplane/__init__``). It stops on
     SIGTERM, on EOF of its stdin (our process died or closed it), when its parent changes, or via
     PDEATHSIG, and ``close()``s its store before exiting. Objects in its segment vanish with it.
@@ -176,13 +174,13 @@ def start_store_server(
     ]
     extra_env: dict[str, str] = dict(env or {})
     if launch == "module":
-        argv = [sys.executable, "-m", "dataplane.adapters._mooncake_server", *server_args]
+        argv = [sys.executable, "-m", "dataplane.adapters.mooncake.store_server", *server_args]
         root = _package_root()
         pp = os.environ.get("PYTHONPATH", "")
         if root not in pp.split(os.pathsep):
             extra_env.setdefault("PYTHONPATH", pp + os.pathsep + root if pp else root)
     elif launch == "path":
-        argv = [sys.executable, "-P", str(Path(__file__).with_name("_mooncake_server.py")), *server_args]
+        argv = [sys.executable, "-P", str(Path(__file__).with_name("store_server.py")), *server_args]
     else:
         raise ValueError("launch must be 'module' or 'path'")
     proc, log_path = spawn_logged(argv, "dataplane-mooncake-server-", pipes=True, env=store_server_env(extra_env))
