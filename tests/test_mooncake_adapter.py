@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dataplane
-from dataplane import store as store_module
+from dataplane import store_client as store_module
 from dataplane._host.mooncake_master import child_env
 from dataplane.adapters.mooncake import HINT_KEY, MooncakeConfig, _get, _handle, _partitions, _read, parse_bytes
 from dataplane.adapters.mooncake._clear import _ids_before
@@ -41,7 +41,7 @@ from dataplane.errors import (
     SchemaError,
 )
 from dataplane.meta import KVBatchMeta
-from dataplane.store import StoreClient
+from dataplane.store_client import StoreClient
 from dataplane.testing.strategies import bit_exact
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -1111,13 +1111,13 @@ class TestMooncakeAdapter:
         fields = {"ids": _jagged(rows), "m": _jagged([r % 2 for r in rows]), "r": torch.tensor([1.0, 2.0, 3.0])}
         meta = owner.kv_batch_put(["a", "b", "c"], fields, partition_id="beside")
         threads: list[str] = []
-        decode = dataplane.store.decode_columns
+        decode = dataplane.store_client.decode_columns
 
         def spy(*args: Any, **kwargs: Any) -> Any:
             threads.append(threading.current_thread().name)
             return decode(*args, **kwargs)
 
-        monkeypatch.setattr(dataplane.store, "decode_columns", spy)
+        monkeypatch.setattr(dataplane.store_client, "decode_columns", spy)
         got: dict[str, Any] = {}
         try:
             for mode in ("0", "1"):

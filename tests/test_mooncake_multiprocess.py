@@ -19,7 +19,7 @@ import torch
 import dataplane
 from dataplane._host.processes import pid_alive
 from dataplane.errors import BackendUnavailable, CapacityExceeded, DataPlaneError, KeyNotFound
-from dataplane.store import StoreClient
+from dataplane.store_client import StoreClient
 from dataplane.testing.strategies import bit_exact
 
 pytestmark = [

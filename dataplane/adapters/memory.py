@@ -30,7 +30,8 @@ from dataplane.errors import CapacityExceeded, DataPlaneTimeout, InvalidArgument
 from dataplane.meta import KVBatchMeta
 from dataplane.registry import url_option
 from dataplane.schema import FieldSchema, check_compatible
-from dataplane.store import KVStore, StoreClient
+from dataplane.storage import KVStore
+from dataplane.store_client import StoreClient
 
 __all__ = ["MemoryConfig", "MemoryStore", "connect"]
 

@@ -21,7 +21,7 @@ from dataplane.adapters.mooncake._servers import StoreServerHandle, start_real_c
 from dataplane.adapters.mooncake._store import MooncakeStore
 from dataplane.errors import BackendUnavailable, InvalidArgument
 from dataplane.registry import url_bool, url_option
-from dataplane.store import StoreClient
+from dataplane.store_client import StoreClient
 
 __all__ = ["LocalDeployment", "MooncakeConfig", "connect", "parse_bytes"]
 

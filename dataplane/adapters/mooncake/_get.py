@@ -4,7 +4,6 @@ trusted only once the puts it read from are still there after it."""
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import threading
 import time
@@ -37,6 +36,7 @@ from dataplane.errors import (
     missing_rows_error,
 )
 from dataplane.meta import KVBatchMeta
+from dataplane.storage import PendingGet
 
 __all__ = ["Gets"]
 
@@ -75,17 +75,16 @@ class _Gate:
             time.sleep(_BESIDE_AFTER_S)
 
 
-@dataclass(eq=False)
-class _EarlyPlan:
-    """What a get's ``plan`` found, for its ``finish`` (which may run on another thread)."""
+@dataclass(frozen=True, slots=True)
+class _Get:
+    """What a get asked for."""
 
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    hints: dict[str, PutIndex] | None = None
-    hinted: PutIndex | None = None  # the put read, once plan has checked the reads name its objects
-    failed: bool = False
-    read: bool = False  # whether the read was issued (by plan when it runs in line, else by finish)
-    vanished: bool = False  # a concurrent clear removed an object before it was read
-    listing: Callable[[], list[str]] | None = None  # the listing asked for after the read
+    partition_id: str
+    part: _Part
+    keys: Sequence[str]
+    fields: Sequence[str]
+    meta: KVBatchMeta | None
+    deadline: float
 
 
 class Gets(PartitionCache):
@@ -100,15 +99,15 @@ class Gets(PartitionCache):
         meta: KVBatchMeta | None,
         timeout_s: float,
     ) -> Mapping[str, Column]:
-        plan, finish = self.get_started(partition_id, keys, fields, meta=meta, timeout_s=timeout_s)
-        cols = plan()
-        again = finish()
+        pending = self.begin_get(partition_id, keys, fields, meta=meta, timeout_s=timeout_s)
+        cols = pending.plan(beside=False)
+        again = pending.finish()
         if again is not None:
             return again
         assert cols is not None
         return cols
 
-    def get_started(
+    def begin_get(
         self,
         partition_id: str,
         keys: Sequence[str],
@@ -116,23 +115,24 @@ class Gets(PartitionCache):
         *,
         meta: KVBatchMeta | None,
         timeout_s: float,
-    ) -> tuple[Callable[[], Mapping[str, Column] | None], Callable[[], Mapping[str, Column] | None]]:
-        """Start a get: ``plan`` makes the columns, ``finish`` moves their bytes (see
-        :meth:`KVStore.get_started`).
+    ) -> PendingGet:
+        """Start a get: its ``plan`` makes the columns, its ``finish`` moves their bytes (see
+        :class:`~dataplane.storage.PendingGet`).
 
         A get of exactly the rows of the meta's put (the usual RL read) needs only the meta's read
-        hint (:data:`READ_KEY`) to start: it reads the put's objects into buffers taken here and
-        then asks for the listing, while the meta's index is decoded and checked to name those
-        objects. Where the client has a helper thread, ``plan`` decodes there and ``finish`` reads;
-        in line, ``plan`` reads first, so the master answers while the columns are made and decoded.
-        A put's objects never change and one removed before the read fails it, so reading before the
-        check is safe. ``finish`` then takes the listing: what was read stands when that put's index
-        is the partition's only one. When the store changed since that put, ``finish`` resolves
-        afresh and keeps what it read if that put still holds the newest value of every row read (a
-        later put of other fields, say), or reads again (new columns). Any other get lists, resolves
-        and plans here; ``finish`` reads, then asks whether the puts read are still there. Every
-        read is trusted only once its put is still there after it (:meth:`_still_there`; a listing
-        taken after the read shows that too).
+        hint (:data:`READ_KEY`) to start (:class:`_HintedGet`): it reads the put's objects into
+        buffers taken here and then asks for the listing, while the meta's index is decoded and
+        checked to name those objects. Planned beside, ``plan`` decodes on the client's helper
+        thread and ``finish`` reads; in line, ``plan`` reads first, so the master answers while the
+        columns are made and decoded. A put's objects never change and one removed before the read
+        fails it, so reading before the check is safe. ``finish`` then takes the listing: what was
+        read stands when that put's index is the partition's only one. When the store changed since
+        that put, ``finish`` resolves afresh and keeps what it read if that put still holds the
+        newest value of every row read (a later put of other fields, say), or reads again (new
+        columns). Any other get lists, resolves and plans here (:class:`_ResolvedGet`); ``finish``
+        reads, then asks whether the puts read are still there. Every read is trusted only once its
+        put is still there after it (:meth:`_still_there`; a listing taken after the read shows that
+        too).
         """
         deadline = time.monotonic() + timeout_s
         self.handle.check()  # closed or forked: fail before any I/O
@@ -143,98 +143,11 @@ class Gets(PartitionCache):
             hints = self._hints(partition_id, meta, part)
             hinted = self._whole_put(keys, fields, hints)
             if hinted is None:
-                return self._get_resolved(partition_id, part, keys, fields, hints, deadline)
+                resolved = self._resolve(partition_id, part, keys, fields, hints, self._listing(deadline), deadline)
+                return _ResolvedGet(self, _Get(partition_id, part, keys, fields, meta, deadline), hints, resolved)
             early = (hinted.key, *self._put_reads(hinted, fields))
         index_key, ops, landing = early
-        planned = _EarlyPlan(hints=hints)
-        caller = threading.get_ident()
-        gate = _Gate(sum(op.nbytes for op in ops))
-
-        def read() -> None:
-            planned.read = True
-            gate.open()
-            try:
-                self.reader.run(ops, deadline, guessed=True)
-            except Vanished:
-                planned.vanished = True
-            planned.listing = self._start_listing(deadline)  # asked for after the read: see _still_there
-
-        def plan() -> Mapping[str, Column] | None:
-            try:
-                if threading.get_ident() == caller:  # in line: the master answers while columns are made
-                    read()
-                else:  # beside the read, on the client's helper thread
-                    gate.wait(deadline)
-                if planned.hints is None:
-                    planned.hints = self._hints(partition_id, meta, part)
-                p = self._whole_put(keys, fields, planned.hints)
-                if p is None or p.key != index_key or not self._names(p, fields, ops):
-                    return None  # the read hint does not describe the meta's put: finish reads afresh
-                planned.hinted = p
-                return self.reader.columns_over(p, fields, landing)
-            except BaseException:
-                planned.failed = True
-                raise
-            finally:
-                planned.done.set()
-
-        def finish() -> Mapping[str, Column] | None:
-            if not planned.read:  # plan runs beside, on the client's helper thread
-                read()
-            if not planned.done.wait(max(0.0, deadline - time.monotonic())):
-                raise DataPlaneTimeout("planning a Mooncake get ran out of time; raise timeout_s")
-            if planned.failed:  # the client raises plan's error
-                return None
-            assert planned.listing is not None
-            lines = planned.listing()
-            hinted, hints = planned.hinted, planned.hints or {}
-            if hinted is None or planned.vanished:
-                lines_ok = None if planned.vanished else lines
-                return self._get_checked(partition_id, part, keys, fields, hints, deadline, lines_ok)
-            if self._only_put(partition_id, part, hinted, lines):
-                return None
-            # Other puts or tombstones are listed: what was read stands if that put still holds the
-            # newest value of every row read (a later put of other fields, say); else read again.
-            # (A put no longer listed holds none: its bytes are not trusted either.)
-            resolved = self._resolve(partition_id, part, keys, fields, hints, lines, deadline)
-            if all(self._only_from(r, hinted) for r in resolved.values()):
-                return None
-            return self._get_checked(partition_id, part, keys, fields, hints, deadline, lines, resolved)
-
-        return plan, finish
-
-    def _get_resolved(
-        self,
-        partition_id: str,
-        part: _Part,
-        keys: Sequence[str],
-        fields: Sequence[str],
-        hints: dict[str, PutIndex],
-        deadline: float,
-    ) -> tuple[Callable[[], Mapping[str, Column] | None], Callable[[], Mapping[str, Column] | None]]:
-        """A get of anything but the rows of one put in its order: list, resolve, plan; read in ``finish``."""
-        resolved = self._resolve(partition_id, part, keys, fields, hints, self._listing(deadline), deadline)
-        cols, fill = self.reader.plan(resolved)
-        caller = threading.get_ident()
-        gate = _Gate(sum(c.values.nbytes for c in cols.values()))
-
-        def planned() -> Mapping[str, Column] | None:
-            if threading.get_ident() != caller:  # decoded beside the read, on the client's helper thread
-                gate.wait(deadline)
-            return cols
-
-        def finish() -> Mapping[str, Column] | None:
-            check: list[Callable[[], bool]] = []
-            gate.open()
-            try:  # the check is asked once the reads are done; staged rows are gathered meanwhile
-                fill(deadline, lambda: check.append(self._start_still_there(resolved, deadline)))
-            except Vanished:  # a concurrent clear removed an object: resolve and read again
-                return self._get_checked(partition_id, part, keys, fields, hints, deadline)
-            if check[0]():
-                return None
-            return self._get_checked(partition_id, part, keys, fields, hints, deadline)
-
-        return planned, finish
+        return _HintedGet(self, _Get(partition_id, part, keys, fields, meta, deadline), hints, index_key, ops, landing)
 
     def _read_hint(
         self, partition_id: str, keys: Sequence[str], fields: Sequence[str], meta: KVBatchMeta | None
@@ -409,3 +322,116 @@ class Gets(PartitionCache):
                 known = part.known.get(parsed[0])  # names are unique and index objects immutable
                 out[key] = known if known is not None and known.key == key else decode_index(key, parsed[0], body)
         return out
+
+
+class _HintedGet(PendingGet):
+    """A get of exactly the rows of the meta's put, read from the meta's read hint before its index is
+    checked (see :meth:`Gets.begin_get`). ``plan`` and ``finish`` share what they found through this
+    object; ``finish`` may run on another thread than ``plan``."""
+
+    def __init__(
+        self,
+        store: Gets,
+        get: _Get,
+        hints: dict[str, PutIndex] | None,
+        index_key: str,
+        ops: list[ReadOp],
+        landing: Landing,
+    ) -> None:
+        self._store = store
+        self._get = get
+        self._index_key = index_key
+        self._ops = ops
+        self._landing = landing
+        self._gate = _Gate(sum(op.nbytes for op in ops))
+        self._done = threading.Event()  # plan has ended
+        self._hints = hints
+        self._hinted: PutIndex | None = None  # the put read, once plan has checked the reads name its objects
+        self._failed = False
+        self._read = False  # whether the read was issued (by plan when it runs in line, else by finish)
+        self._vanished = False  # a concurrent clear removed an object before it was read
+        self._listing: Callable[[], list[str]] | None = None  # the listing asked for after the read
+
+    def _read_objects(self) -> None:
+        self._read = True
+        self._gate.open()
+        try:
+            self._store.reader.run(self._ops, self._get.deadline, guessed=True)
+        except Vanished:
+            self._vanished = True
+        self._listing = self._store._start_listing(self._get.deadline)  # asked for after the read: see _still_there
+
+    def plan(self, *, beside: bool) -> Mapping[str, Column] | None:
+        store, get = self._store, self._get
+        try:
+            if beside:  # on the client's helper thread, beside the read
+                self._gate.wait(get.deadline)
+            else:  # in line: the master answers while columns are made
+                self._read_objects()
+            if self._hints is None:
+                self._hints = store._hints(get.partition_id, get.meta, get.part)
+            p = store._whole_put(get.keys, get.fields, self._hints)
+            if p is None or p.key != self._index_key or not store._names(p, get.fields, self._ops):
+                return None  # the read hint does not describe the meta's put: finish reads afresh
+            self._hinted = p
+            return store.reader.columns_over(p, get.fields, self._landing)
+        except BaseException:
+            self._failed = True
+            raise
+        finally:
+            self._done.set()
+
+    def finish(self) -> Mapping[str, Column] | None:
+        store, get = self._store, self._get
+        if not self._read:  # plan runs beside, on the client's helper thread
+            self._read_objects()
+        if not self._done.wait(max(0.0, get.deadline - time.monotonic())):
+            raise DataPlaneTimeout("planning a Mooncake get ran out of time; raise timeout_s")
+        if self._failed:  # the client raises plan's error
+            return None
+        assert self._listing is not None
+        lines = self._listing()
+        hinted, hints = self._hinted, self._hints or {}
+        args = (get.partition_id, get.part, get.keys, get.fields, hints, get.deadline)
+        if hinted is None or self._vanished:
+            return store._get_checked(*args, None if self._vanished else lines)
+        if store._only_put(get.partition_id, get.part, hinted, lines):
+            return None
+        # Other puts or tombstones are listed: what was read stands if that put still holds the
+        # newest value of every row read (a later put of other fields, say); else read again.
+        # (A put no longer listed holds none: its bytes are not trusted either.)
+        resolved = store._resolve(get.partition_id, get.part, get.keys, get.fields, hints, lines, get.deadline)
+        if all(store._only_from(r, hinted) for r in resolved.values()):
+            return None
+        return store._get_checked(*args, lines, resolved)
+
+
+class _ResolvedGet(PendingGet):
+    """A get of anything but the rows of one put in its order: listed, resolved and planned when it
+    began; ``finish`` reads, then asks whether the puts read are still there (see
+    :meth:`Gets.begin_get`)."""
+
+    def __init__(self, store: Gets, get: _Get, hints: dict[str, PutIndex], resolved: dict[str, Resolved]) -> None:
+        self._store = store
+        self._get = get
+        self._hints = hints
+        self._resolved = resolved
+        self._columns, self._fill = store.reader.plan(resolved)
+        self._gate = _Gate(sum(c.values.nbytes for c in self._columns.values()))
+
+    def plan(self, *, beside: bool) -> Mapping[str, Column] | None:
+        if beside:  # decoded beside the read, on the client's helper thread
+            self._gate.wait(self._get.deadline)
+        return self._columns
+
+    def finish(self) -> Mapping[str, Column] | None:
+        store, get = self._store, self._get
+        check: list[Callable[[], bool]] = []
+        self._gate.open()
+        try:  # the check is asked once the reads are done; staged rows are gathered meanwhile
+            self._fill(get.deadline, lambda: check.append(store._start_still_there(self._resolved, get.deadline)))
+        except Vanished:  # a concurrent clear removed an object: resolve and read again
+            return store._get_checked(get.partition_id, get.part, get.keys, get.fields, self._hints, get.deadline)
+        if check[0]():
+            return None
+        return store._get_checked(get.partition_id, get.part, get.keys, get.fields, self._hints, get.deadline)

@@ -45,7 +45,7 @@ from dataplane.errors import (
     InvalidArgument,
 )
 from dataplane.schema import FieldSchema
-from dataplane.store import KVStore
+from dataplane.storage import KVStore
 
 __all__ = ["HINT_KEY", "READ_KEY", "PartitionCache"]
 
@@ -73,7 +73,7 @@ class _Part:
     pending: dict[str, tuple[FieldSchema, int]] = dataclasses.field(default_factory=dict)
     lines: ListedPuts = dataclasses.field(default_factory=ListedPuts)  # the index lines last listed
     # field -> (index key, schema) of this client's newest put holding it: while that index exists, a
-    # put of the field with that schema needs no listing (see put_started)
+    # put of the field with that schema needs no listing (see Puts.begin_put)
     mine: dict[str, tuple[str, FieldSchema]] = dataclasses.field(default_factory=dict)
 
 

@@ -30,7 +30,7 @@ from dataplane.adapters.mooncake._partitions import HINT_KEY, READ_KEY, Partitio
 from dataplane.codec.jagged import round_up
 from dataplane.codec.wire import Column
 from dataplane.schema import FieldSchema, check_compatible
-from dataplane.store import PutRest
+from dataplane.storage import PendingPut
 
 __all__ = ["Puts"]
 
@@ -79,9 +79,9 @@ class Puts(PartitionCache):
         *,
         timeout_s: float,
     ) -> dict[str, Any] | None:
-        return self.put_started(partition_id, timeout_s=timeout_s)(keys, columns, tags)
+        return self.begin_put(partition_id, timeout_s=timeout_s).write(keys, columns, tags)
 
-    def put_started(self, partition_id: str, *, timeout_s: float) -> PutRest:
+    def begin_put(self, partition_id: str, *, timeout_s: float) -> PendingPut:
         """Ask the master for what the schema check needs before the client has checked the put (the
         master answers while the client validates and encodes).
 
@@ -101,24 +101,10 @@ class Puts(PartitionCache):
                 mine = dict(part.mine)
         if mine:
             existing = self.admin.start_existing(sorted({key for key, _ in mine.values()}), self._time_left(deadline))
-            listing = None
-        else:
-            existing, listing = None, self._start_listing(deadline)
-
-        def rest(
-            keys: Sequence[str], columns: Mapping[str, Column], tags: Sequence[Mapping[str, Any]] | None
-        ) -> dict[str, Any]:
-            nonlocal listing
-            if existing is not None:
-                alive = existing() or set()
-                for name, col in columns.items():
-                    key, schema = mine.get(name, ("", None))
-                    if schema != col.schema or key not in alive:
-                        listing = self._start_listing(deadline)
-                        break
-            return self._put(partition_id, keys, columns, tags, listing, deadline)
-
-        return rest
+            return _MooncakePut(self, partition_id, deadline, mine=mine, existing=existing, listing=None)
+        return _MooncakePut(
+            self, partition_id, deadline, mine=mine, existing=None, listing=self._start_listing(deadline)
+        )
 
     def _put(
         self,
@@ -130,7 +116,7 @@ class Puts(PartitionCache):
         deadline: float,
     ) -> dict[str, Any]:
         """Write the put, schema-checked against ``listing`` (None: already checked, see
-        :meth:`put_started`)."""
+        :meth:`begin_put`)."""
         planned = self._plan_put(partition_id, new_put_id(self.writer), keys, columns, tags)
         lines = None if listing is None else listing()
         part = self._part(partition_id)
@@ -244,3 +230,41 @@ class Puts(PartitionCache):
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return self.pool.tensor(shape, dtype) if self._stage_puts else torch.empty(shape, dtype=dtype)
+
+
+class _MooncakePut(PendingPut):
+    """A put whose schema-check question (a listing, or a query whether this client's own latest
+    puts of its fields are still there) is already on its way to the master (see
+    :meth:`Puts.begin_put`)."""
+
+    __slots__ = ("_deadline", "_existing", "_listing", "_mine", "_partition_id", "_store")
+
+    def __init__(
+        self,
+        store: Puts,
+        partition_id: str,
+        deadline: float,
+        *,
+        mine: dict[str, tuple[str, FieldSchema]],
+        existing: Callable[[], set[str] | None] | None,
+        listing: Callable[[], list[str]] | None,
+    ) -> None:
+        self._store = store
+        self._partition_id = partition_id
+        self._deadline = deadline
+        self._mine = mine
+        self._existing = existing
+        self._listing = listing
+
+    def write(
+        self, keys: Sequence[str], columns: Mapping[str, Column], tags: Sequence[Mapping[str, Any]] | None
+    ) -> dict[str, Any]:
+        listing = self._listing
+        if self._existing is not None:
+            alive = self._existing() or set()
+            for name, col in columns.items():
+                key, schema = self._mine.get(name, ("", None))
+                if schema != col.schema or key not in alive:
+                    listing = self._store._start_listing(self._deadline)
+                    break
+        return self._store._put(self._partition_id, keys, columns, tags, listing, self._deadline)

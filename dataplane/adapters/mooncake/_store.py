@@ -1,9 +1,9 @@
-"""The Mooncake :class:`~dataplane.store.KVStore`: puts, gets, clears and listings over the layout of
+"""The Mooncake :class:`~dataplane.storage.KVStore`: puts, gets, clears and listings over the layout of
 :mod:`._index` through a guarded :class:`~._handle.StoreHandle`.
 
 Round trips. A put: one listing of the master's keys (schema check against every writer's puts),
 or, into a partition this client has put the same fields into before, one query whether its own
-latest puts of them are still there (see :meth:`._put.Puts.put_started`); then one
+latest puts of them are still there (see :meth:`._put.Puts.begin_put`); then one
 ``batch_upsert_from`` carrying the data objects and the index object together. A get: one
 listing, then one ``batch_get_into`` (or ``get_into_ranges``) for the data, then one query whether
 the index objects of the puts read are still there (``/batch_query_keys``, a few keys however many
@@ -18,7 +18,7 @@ rows in order (the usual RL read), the read is issued first, from the meta's rea
 the index is decoded and checked against the hint (beside the read where the client has a helper
 thread), and the listing after the read is its only one; what was read is kept when that listing
 shows that index as the partition's only one, and the rows are not even folded into the per-row
-state (see :meth:`._get.Gets.get_started`).
+state (see :meth:`._get.Gets.begin_get`).
 """
 
 from __future__ import annotations

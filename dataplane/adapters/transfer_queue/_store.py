@@ -28,7 +28,8 @@ from dataplane.errors import (
 )
 from dataplane.meta import KVBatchMeta
 from dataplane.registry import url_option
-from dataplane.store import KVStore, StoreClient
+from dataplane.storage import KVStore
+from dataplane.store_client import StoreClient
 
 __all__ = ["TQConfig", "TQStore", "attached_clients", "connect"]
 
