@@ -182,8 +182,8 @@ class StoreClient(DataPlaneClient):
         tags: Sequence[Mapping[str, Any]] | None = None,
     ) -> KVBatchMeta:
         self._check_open()
-        pid = _check_partition(partition_id)
-        pending = self._store.begin_put(pid, timeout_s=self.timeout_s)  # its questions travel meanwhile
+        partition_id = _check_partition(partition_id)
+        pending = self._store.begin_put(partition_id, timeout_s=self.timeout_s)  # its questions travel meanwhile
         key_list = check_keys(keys)
         self._store.validate_keys(key_list)
         tag_list = _check_tags(tags, len(key_list))
@@ -191,7 +191,7 @@ class StoreClient(DataPlaneClient):
         # Built before the write: right after moving many bytes, the same Python work runs slower
         # (cold caches), and nothing here depends on the write but the adapter's extra_info.
         meta = trusted_meta(  # every part checked above
-            partition_id=pid,
+            partition_id=partition_id,
             keys=tuple(key_list),
             fields=tuple(columns),
             sequence_lengths=_common_lengths(columns),
@@ -227,7 +227,7 @@ class StoreClient(DataPlaneClient):
         pad_to_length: int | None = None,
     ) -> TensorDict:
         self._check_open()
-        pid, keys, meta = self._resolve(keys_or_meta, partition_id)
+        partition_id, keys, meta = self._resolve(keys_or_meta, partition_id)
         fields = _check_select(select_fields)
         if layout not in ("jagged", "padded"):
             raise InvalidArgument(f"layout must be 'jagged' or 'padded', got {layout!r}")
@@ -235,7 +235,7 @@ class StoreClient(DataPlaneClient):
             raise InvalidArgument(f"pad_to_multiple must be an int >= 1, got {pad_to_multiple!r}")
         if pad_to_length is not None and (not isinstance(pad_to_length, int) or pad_to_length < 0):
             raise InvalidArgument(f"pad_to_length must be an int >= 0 or None, got {pad_to_length!r}")
-        pending = self._store.begin_get(pid, keys, fields, meta=meta, timeout_s=self.timeout_s)
+        pending = self._store.begin_get(partition_id, keys, fields, meta=meta, timeout_s=self.timeout_s)
         decode = functools.partial(
             self._decode,
             fields=fields,
@@ -338,14 +338,14 @@ class StoreClient(DataPlaneClient):
 
     def kv_clear(self, keys: Sequence[str] | None = None, *, partition_id: str) -> None:
         self._check_open()
-        pid = _check_partition(partition_id)
+        partition_id = _check_partition(partition_id)
         key_list = None if keys is None else check_keys(keys)
-        self._store.clear(pid, key_list, timeout_s=self.timeout_s)
+        self._store.clear(partition_id, key_list, timeout_s=self.timeout_s)
 
     def kv_list(self, partition_id: str | None = None) -> Listing:
         self._check_open()
-        pid = None if partition_id is None else _check_partition(partition_id)
-        return self._store.list(pid, timeout_s=self.timeout_s)
+        partition_id = None if partition_id is None else _check_partition(partition_id)
+        return self._store.list(partition_id, timeout_s=self.timeout_s)
 
     def close(self) -> None:
         with self._close_lock:

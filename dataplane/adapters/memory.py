@@ -412,8 +412,8 @@ class MemoryStore(KVStore):
     def list(self, partition_id: str | None, *, timeout_s: float) -> Listing:
         self._acquire(timeout_s)
         try:
-            pids = [partition_id] if partition_id is not None else list(self._parts)
-            return {pid: self._parts[pid].listing() for pid in pids if pid in self._parts}
+            partition_ids = [partition_id] if partition_id is not None else list(self._parts)
+            return {part_id: self._parts[part_id].listing() for part_id in partition_ids if part_id in self._parts}
         finally:
             self._lock.release()
 

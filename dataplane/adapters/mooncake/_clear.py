@@ -97,7 +97,7 @@ class Clears(PartitionCache):
         listed = part.lines.update(lines, index_prefix(self.ns, partition_id))  # call with part.lock held
         self._remove([key for key, _ in listed.values()])
         head = _literal(data_prefix(self.ns, partition_id))
-        ids = [_literal(pid) for pid in sorted(listed)]
+        ids = [_literal(put_id) for put_id in sorted(listed)]
         for at in range(0, len(ids), _IDS_PER_SWEEP):
             self.handle.remove_regex(f"^{head}({'|'.join(ids[at : at + _IDS_PER_SWEEP])})/")
         # data no index names: a writer died mid-put. Only puts begun long ago: a younger one may still

@@ -468,8 +468,8 @@ class PartitionState:
         if self.puts.keys() <= current.keys():
             new = sorted(current.keys() - self.puts.keys())
             if not new or new[0] > self.max_id:
-                for pid in new:
-                    self.apply(current[pid])
+                for put_id in new:
+                    self.apply(current[put_id])
                 return self
         return PartitionState.build(current.values())
 
@@ -537,7 +537,7 @@ class PartitionState:
                     numbers.add(number)
         live = {self._folded[i].put_id for i in numbers if i != NONE}
         garbage: list[PutIndex] = []
-        live_puts = [self.puts[pid] for pid in live]
+        live_puts = [self.puts[put_id] for put_id in live]
         for p in self.puts.values():
             if p.op == "put":
                 if p.put_id not in live:

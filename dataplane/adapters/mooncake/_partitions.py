@@ -144,16 +144,16 @@ class PartitionCache(KVStore):
         """Bring ``part`` to what the listing shows (call with ``part.lock`` held)."""
         listed = part.lines.update(lines, index_prefix(self.ns, partition_id))
         current = dict(part.known)
-        for pid in current.keys() - listed.keys():
-            del current[pid]
+        for put_id in current.keys() - listed.keys():
+            del current[put_id]
         unread = []
-        for pid in sorted(listed.keys() - current.keys()):
-            key, size = listed[pid]
+        for put_id in sorted(listed.keys() - current.keys()):
+            key, size = listed[put_id]
             hinted = hints.get(key)  # names are unique and objects immutable: a listed hint is exact
             if hinted is not None:
-                current[pid] = hinted
+                current[put_id] = hinted
             else:
-                unread.append((pid, key, size))
+                unread.append((put_id, key, size))
         if unread:
             current.update(self._read_indexes(unread, deadline))
         part.known = current
@@ -179,16 +179,18 @@ class PartitionCache(KVStore):
                 continue
             break
         got = []
-        for (pid, key, size), ptr, room, code in zip(unread, ptrs, rooms, codes, strict=True):
+        for (put_id, key, size), ptr, room, code in zip(unread, ptrs, rooms, codes, strict=True):
             if code in (room, size):  # padded; or as dataplane wrote index objects before version 4
-                got.append((pid, key, ptr - base, size))
+                got.append((put_id, key, ptr - base, size))
             elif code not in (NOT_FOUND, NOT_READY):  # removed after listing, or its put is in flight
                 raise error_for(code, f"reading index object {key!r}")
         if not got:
             return {}
         there = self._existing([key for _, key, _, _ in got], deadline)
         return {
-            pid: decode_index(key, pid, buf[lo : lo + size].tobytes()) for pid, key, lo, size in got if key in there
+            put_id: decode_index(key, put_id, buf[lo : lo + size].tobytes())
+            for put_id, key, lo, size in got
+            if key in there
         }
 
     def _still_there(self, resolved: Mapping[str, Resolved], deadline: float) -> bool:

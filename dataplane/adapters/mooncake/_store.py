@@ -43,18 +43,18 @@ class MooncakeStore(Puts, Gets, Clears):
         deadline = time.monotonic() + timeout_s
         lines = self._listing(deadline)
         if partition_id is not None:
-            pids = [partition_id]
+            partition_ids = [partition_id]
         else:
             head = f"{self.ns}/"
             tokens = {ln[len(head) :].split("/", 1)[0] for ln in lines if ln.startswith(head) and "/i/" in ln}
-            pids = sorted(partition_of_token(t) for t in tokens if part_token(partition_of_token(t)) == t)
+            partition_ids = sorted(partition_of_token(t) for t in tokens if part_token(partition_of_token(t)) == t)
         out: Listing = {}
-        for pid in pids:
-            part = self._part(pid)
+        for part_id in partition_ids:
+            part = self._part(part_id)
             with part.lock:
-                rows = self._refresh(pid, part, lines, {}, deadline).listing()
+                rows = self._refresh(part_id, part, lines, {}, deadline).listing()
             if rows:
-                out[pid] = rows
+                out[part_id] = rows
         return out
 
     def close(self) -> None:
