@@ -35,7 +35,7 @@ from dataplane.storage import PendingPut
 __all__ = ["Puts"]
 
 # A put of at most this many bytes with two or more non-empty fields is packed into one data object
-# (see _mc_index): a rollout put on its own is ~50 KB in 8 fields, and every object costs Mooncake a
+# (see _index): a rollout put on its own is ~50 KB in 8 fields, and every object costs Mooncake a
 # fixed time. A get of some fields of it reads the whole object: at this size that costs less than
 # another object would.
 _PACK_MAX_BYTES = 1 << 20
