@@ -54,8 +54,8 @@ class RawMooncake:
     its arenas are shared memory from ``alloc_from_mem_pool``; otherwise it is a plain TCP client.
 
     ``page_aligned`` (default): every object starts on a page in its arena and is padded to whole
-    pages, as the adapter pads its objects over shared memory (``_mc_index.OBJECT_ALIGN``). A store
-    server that streams its copies (``_mooncake_procs.STREAMING_COPY_TUNABLE``) copied 2-5x slower
+    pages, as the adapter pads its objects over shared memory (``dataplane.adapters.mooncake._index.OBJECT_ALIGN``). A store
+    server that streams its copies (``dataplane.adapters.mooncake._servers.STREAMING_COPY_TUNABLE``) copied 2-5x slower
     where an object's bytes lay 1-700 bytes past a page boundary relative to the other side, so
     back-to-back objects of odd sizes would slow raw down by chance; padded, raw is the ceiling.
     """
@@ -63,7 +63,7 @@ class RawMooncake:
     def __init__(
         self, master_address: str, arena_bytes: int, real_client: str | None = None, *, page_aligned: bool = True
     ) -> None:
-        from dataplane.adapters._mooncake_procs import apply_client_env_defaults
+        from dataplane.adapters.mooncake import apply_client_env_defaults
 
         apply_client_env_defaults()
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig

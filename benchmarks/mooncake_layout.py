@@ -118,7 +118,7 @@ def _timed(fn: Any) -> tuple[float, Any]:
 def _batched(call: Any, keys: list[str], ptrs: list[int], sizes: list[int], *extra: Any) -> list[int]:
     """``call`` in chunks of the adapter's key limit (Mooncake fails batches over ~1-2K keys between
     processes)."""
-    from dataplane.adapters._mc_handle import MAX_KEYS_PER_CALL
+    from dataplane.adapters.mooncake import MAX_KEYS_PER_CALL
 
     out: list[int] = []
     for a in range(0, len(keys), MAX_KEYS_PER_CALL):

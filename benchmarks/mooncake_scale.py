@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.backends_mooncake import RawMooncake, field_buffers, real_client_of
     from benchmarks.put_get import machine_info
     from benchmarks.workload import make_batch, same_fields
-    from dataplane.adapters._mc_handle import AdminClient
+    from dataplane.adapters.mooncake import AdminClient
 
     batch = make_batch(args.size_mb * MB, args.fields, seed=0)
     writer = dataplane.connect(f"mooncake://local?segment_bytes={args.segment_mib}MiB")

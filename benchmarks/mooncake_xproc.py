@@ -20,7 +20,6 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
-import threading
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -39,6 +38,7 @@ def _worker(
     import dataplane
     from benchmarks.backends_mooncake import RawMooncake, field_buffers, field_specs
     from benchmarks.workload import in_client_memory, make_batch, same_fields
+    from dataplane.storage import PendingGet, PendingPut
 
     try:
         client = dataplane.connect(join_url, timeout_s=TIMEOUT_S)
@@ -52,56 +52,56 @@ def _worker(
     inner: dict[str, float] = {}  # seconds of the last adapter-level (KVStore) put / get
     njt_keys: dict[str, list[str]] = {}  # tag -> the objects of a raw_njt put (values and offsets)
 
-    def _timed_get(fn: Any) -> Any:
+    store = client.store  # type: ignore[attr-defined]
+    begin_put, begin_get = store.begin_put, store.begin_get
+
+    class TimedGet(PendingGet):
         """The adapter's share of a get: starting it, ``plan`` where it ran on the calling thread (not
         beside the transfer), and ``finish`` (the client decodes in between, or beside)."""
 
-        def started(*a: Any, **k: Any) -> Any:
-            t0 = time.perf_counter()
-            plan, finish = fn(*a, **k)
-            caller = threading.get_ident()
-            spent = [time.perf_counter() - t0]
+        def __init__(self, pending: PendingGet, spent: float) -> None:
+            self.pending, self.spent = pending, [spent]
+            self.overlaps = pending.overlaps
 
-            def timed_plan() -> Any:
-                t1 = time.perf_counter()
-                try:
-                    return plan()
-                finally:
-                    if threading.get_ident() == caller:
-                        spent.append(time.perf_counter() - t1)
+        def plan(self, *, beside: bool) -> Any:
+            t1 = time.perf_counter()
+            try:
+                return self.pending.plan(beside=beside)
+            finally:
+                if not beside:
+                    self.spent.append(time.perf_counter() - t1)
 
-            def timed_finish() -> Any:
-                t1 = time.perf_counter()
-                try:
-                    return finish()
-                finally:
-                    inner["get"] = sum(spent) + time.perf_counter() - t1
+        def finish(self) -> Any:
+            t1 = time.perf_counter()
+            try:
+                return self.pending.finish()
+            finally:
+                inner["get"] = sum(self.spent) + time.perf_counter() - t1
 
-            return timed_plan, timed_finish
-
-        return started
-
-    def _timed_put(fn: Any) -> Any:
+    class TimedPut(PendingPut):
         """The adapter's share of a put: starting it, and the rest once the client has checked it."""
 
-        def started(*a: Any, **k: Any) -> Any:
-            t0 = time.perf_counter()
-            rest = fn(*a, **k)
-            spent = time.perf_counter() - t0
+        def __init__(self, pending: PendingPut, spent: float) -> None:
+            self.pending, self.spent = pending, spent
 
-            def timed_rest(*a: Any, **k: Any) -> Any:
-                t1 = time.perf_counter()
-                try:
-                    return rest(*a, **k)
-                finally:
-                    inner["put"] = spent + time.perf_counter() - t1
+        def write(self, *a: Any) -> Any:
+            t1 = time.perf_counter()
+            try:
+                return self.pending.write(*a)
+            finally:
+                inner["put"] = self.spent + time.perf_counter() - t1
 
-            return timed_rest
+    def timed_begin_put(*a: Any, **k: Any) -> PendingPut:
+        t0 = time.perf_counter()
+        pending = begin_put(*a, **k)
+        return TimedPut(pending, time.perf_counter() - t0)
 
-        return started
+    def timed_begin_get(*a: Any, **k: Any) -> PendingGet:
+        t0 = time.perf_counter()
+        pending = begin_get(*a, **k)
+        return TimedGet(pending, time.perf_counter() - t0)
 
-    client.store.put_started = _timed_put(client.store.put_started)  # type: ignore[attr-defined]
-    client.store.get_started = _timed_get(client.store.get_started)  # type: ignore[attr-defined]
+    store.begin_put, store.begin_get = timed_begin_put, timed_begin_get
     conn.send(("ready", os.getpid()))
     try:
         while True:
@@ -522,7 +522,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _decode_beside() -> bool:
-    from dataplane.store import decode_beside
+    from dataplane.store_client import decode_beside
 
     return decode_beside()
 

@@ -1,9 +1,368 @@
-""":class:`StoreClient`: the client semantics over any :class:`dataplane.storage.KVStore`.
+"""The client every adapter shares: :class:`StoreClient` puts the client semantics on top of a
+:class:`~dataplane.storage.KVStore`.
 
-TEMPORARY SHIM (issue 32): re-exports under the final public name; replaced by the real module of
-the store/client split.
+It does everything every backend must agree on exactly once: argument validation, encoding and
+decoding, ordering and completeness checks of what a store returns, and the closed state. A get
+decodes on a helper thread while the store's transfer runs where the store's
+:class:`~dataplane.storage.PendingGet` allows it (see :func:`decode_beside`).
 """
 
-from dataplane.store import StoreClient
+from __future__ import annotations
 
-__all__ = ["StoreClient"]
+import contextlib
+import functools
+import logging
+import os
+import threading
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from dataplane._host.threads import Helper, usable_cpus
+from dataplane.client import (
+    Capabilities,
+    DataPlaneClient,
+    FieldsIn,
+    KeysOrMeta,
+    Listing,
+    PadValues,
+    check_shape,
+)
+from dataplane.codec.wire import Column, Layout, decode_columns, encode_fields, validate_field_name
+from dataplane.errors import ClientClosed, DataPlaneError, DataPlaneTimeout, InvalidArgument, SchemaError
+from dataplane.meta import KVBatchMeta, check_keys, trusted_meta
+from dataplane.storage import KVStore, PendingGet
+
+__all__ = ["DECODE_THREAD_ENV", "StoreClient", "decode_beside"]
+
+log = logging.getLogger(__name__)
+
+
+DECODE_THREAD_ENV = "DATAPLANE_DECODE_THREAD"
+_MIN_CPUS_BESIDE = 2
+
+
+def decode_beside() -> bool:
+    """Whether a get decodes on a helper thread while its transfer runs: ``$DATAPLANE_DECODE_THREAD``
+    = ``1`` or ``0``, or ``auto`` (the default): on when this process may run on at least 2 CPUs.
+    Over Mooncake's shared memory the copy runs in the store server, so a second core of the reader
+    is free for the decoding (the adapter holds it back while the read starts on a small host); over
+    TCP it helps on 2 cores too."""
+    mode = os.environ.get(DECODE_THREAD_ENV, "auto").strip().lower()
+    if mode in ("1", "on", "true", "yes"):
+        return True
+    if mode in ("0", "off", "false", "no"):
+        return False
+    if mode != "auto":
+        raise InvalidArgument(f"${DECODE_THREAD_ENV}={mode!r}: set it to auto, 1 or 0 (or unset it)")
+    return usable_cpus() >= _MIN_CPUS_BESIDE
+
+
+def _check_partition(partition_id: object) -> str:
+    if not isinstance(partition_id, str) or not partition_id or len(partition_id) > 200:
+        raise InvalidArgument(f"partition_id must be a non-empty str of at most 200 characters, got {partition_id!r}")
+    if not partition_id.isprintable():
+        raise InvalidArgument(f"partition_id {partition_id!r} contains control characters")
+    return partition_id
+
+
+def _check_tags(tags: object, n: int) -> list[dict[str, Any]] | None:
+    if tags is None:
+        return None
+    if isinstance(tags, Mapping) or not isinstance(tags, Sequence):
+        raise SchemaError("tags must be a list with one dict per key")
+    out = list(tags)
+    if len(out) != n:
+        raise InvalidArgument(f"{len(out)} tag dicts for {n} keys; give one per key")
+    for t in out:
+        if not isinstance(t, Mapping) or not all(isinstance(k, str) for k in t):
+            raise SchemaError("each tag must be a dict with str keys")
+        for k, v in t.items():
+            if not _is_primitive(v):
+                raise SchemaError(f"tag {k!r}={v!r}: tag values must be str/int/float/bool/None or lists/dicts of them")
+    return [dict(t) for t in out]
+
+
+def _is_primitive(v: object) -> bool:
+    if v is None or isinstance(v, (str, int, float, bool)):
+        return True
+    if isinstance(v, (list, tuple)):
+        return all(_is_primitive(x) for x in v)
+    if isinstance(v, dict):
+        return all(isinstance(k, str) and _is_primitive(x) for k, x in v.items())
+    return False
+
+
+def _check_select(select_fields: object) -> list[str]:
+    if isinstance(select_fields, str):
+        select_fields = [select_fields]
+    if not select_fields or not isinstance(select_fields, Sequence):
+        raise InvalidArgument(
+            "select_fields is required and must name at least one field (there is no fetch-all); "
+            "meta.fields lists what a put wrote"
+        )
+    out = [validate_field_name(f) for f in select_fields]
+    if len(set(out)) != len(out):
+        raise InvalidArgument(f"select_fields has duplicates: {out}")
+    return out
+
+
+def _common_lengths(columns: Mapping[str, Column]) -> tuple[int, ...] | None:
+    """Row lengths when every jagged field of the put agrees on them."""
+    found: torch.Tensor | None = None
+    for col in columns.values():
+        if col.schema.kind != "jagged":
+            continue
+        offsets = col.offsets
+        assert offsets is not None
+        if found is None:
+            found = offsets
+        elif offsets is not found and not torch.equal(found, offsets):  # equal offsets <=> equal lengths
+            return None
+    return None if found is None else tuple(np.diff(found.numpy()).tolist())  # CPU int64 (encode_fields)
+
+
+class StoreClient(DataPlaneClient):
+    """The one implementation of the client semantics, over any :class:`KVStore`.
+
+    Args:
+        store: the adapter's store.
+        timeout_s: bound on every blocking call.
+        pickle_fields: object fields this client may write and read with pickle (opt-in by name:
+            unpickling store contents runs code from whoever wrote them).
+        on_close: extra teardown run once by :meth:`close` after the store is closed (owners use
+            it to stop services they started).
+    """
+
+    def __init__(
+        self,
+        store: KVStore,
+        *,
+        timeout_s: float = 60.0,
+        pickle_fields: Collection[str] = (),
+        on_close: Sequence[Any] = (),
+    ) -> None:
+        if timeout_s <= 0:
+            raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s}")
+        self._store = store
+        self.timeout_s = float(timeout_s)
+        self.pickle_fields = frozenset(pickle_fields)
+        self._on_close = list(on_close)
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._beside = Helper("dataplane-decode") if decode_beside() else None
+
+    @property
+    def store(self) -> KVStore:
+        return self._store
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._store.capabilities
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClientClosed(
+                f"this {self.capabilities.backend} client is closed; create a new one with dataplane.connect()"
+            )
+
+    def kv_batch_put(
+        self,
+        keys: Sequence[str],
+        fields: FieldsIn,
+        *,
+        partition_id: str,
+        tags: Sequence[Mapping[str, Any]] | None = None,
+    ) -> KVBatchMeta:
+        self._check_open()
+        partition_id = _check_partition(partition_id)
+        pending = self._store.begin_put(partition_id, timeout_s=self.timeout_s)  # its questions travel meanwhile
+        key_list = check_keys(keys)
+        self._store.validate_keys(key_list)
+        tag_list = _check_tags(tags, len(key_list))
+        columns = encode_fields(fields, len(key_list), pickle_fields=self.pickle_fields)
+        # Built before the write: right after moving many bytes, the same Python work runs slower
+        # (cold caches), and nothing here depends on the write but the adapter's extra_info.
+        meta = trusted_meta(  # every part checked above
+            partition_id=partition_id,
+            keys=tuple(key_list),
+            fields=tuple(columns),
+            sequence_lengths=_common_lengths(columns),
+            tags=None if tag_list is None else tuple(tag_list),
+        )
+        extra = pending.write(key_list, columns, tag_list)
+        if extra:
+            meta.extra_info.update(extra)  # the meta's own dict, not yet shared with anyone
+        return meta
+
+    def _resolve(self, keys_or_meta: KeysOrMeta, partition_id: str | None) -> tuple[str, list[str], KVBatchMeta | None]:
+        if isinstance(keys_or_meta, KVBatchMeta):
+            if partition_id is not None and partition_id != keys_or_meta.partition_id:
+                raise InvalidArgument(
+                    f"partition_id={partition_id!r} contradicts the meta's {keys_or_meta.partition_id!r}; drop one"
+                )
+            if not keys_or_meta.keys:
+                raise InvalidArgument("the meta has no keys; give at least one")
+            return keys_or_meta.partition_id, list(keys_or_meta.keys), keys_or_meta  # checked when it was made
+        if partition_id is None:
+            raise InvalidArgument("partition_id is required when reading by keys (a meta carries its own)")
+        return _check_partition(partition_id), check_keys(keys_or_meta), None
+
+    def kv_batch_get(
+        self,
+        keys_or_meta: KeysOrMeta,
+        *,
+        select_fields: Sequence[str] | str,
+        partition_id: str | None = None,
+        layout: Layout = "jagged",
+        pad_values: PadValues = None,
+        pad_to_multiple: int = 1,
+        pad_to_length: int | None = None,
+    ) -> TensorDict:
+        self._check_open()
+        partition_id, keys, meta = self._resolve(keys_or_meta, partition_id)
+        fields = _check_select(select_fields)
+        if layout not in ("jagged", "padded"):
+            raise InvalidArgument(f"layout must be 'jagged' or 'padded', got {layout!r}")
+        if not isinstance(pad_to_multiple, int) or pad_to_multiple < 1:
+            raise InvalidArgument(f"pad_to_multiple must be an int >= 1, got {pad_to_multiple!r}")
+        if pad_to_length is not None and (not isinstance(pad_to_length, int) or pad_to_length < 0):
+            raise InvalidArgument(f"pad_to_length must be an int >= 0 or None, got {pad_to_length!r}")
+        pending = self._store.begin_get(partition_id, keys, fields, meta=meta, timeout_s=self.timeout_s)
+        decode = functools.partial(
+            self._decode,
+            fields=fields,
+            num_rows=len(keys),
+            layout=layout,
+            pad_values=pad_values,
+            pad_to_multiple=pad_to_multiple,
+            pad_to_length=pad_to_length,
+        )
+
+        def start(beside: bool) -> tuple[Mapping[str, Column] | None, TensorDict | None]:
+            """The planned columns, decoded when that needs none of their bytes (jagged and dense
+            fields are views of the buffers; padding and object decoding read the bytes)."""
+            cols = pending.plan(beside=beside)
+            if cols is None or layout == "padded" or any(c.schema.kind == "object" for c in cols.values()):
+                return cols, None
+            return cols, decode(cols)
+
+        if pending.overlaps and self._beside is not None:
+            cols, out, again = self._start_beside(start, pending)
+        else:
+            try:
+                cols, out = start(False)
+            except BaseException:
+                with contextlib.suppress(Exception):  # a transfer it began must end before its buffers go
+                    pending.finish()
+                raise
+            again = pending.finish()
+        if again is not None:
+            return decode(again)
+        if cols is None:
+            raise DataPlaneError(
+                f"{self.capabilities.backend} adapter planned no columns and finished with none; "
+                "this is an adapter bug, please report it"
+            )
+        return decode(cols) if out is None else out
+
+    def _start_beside(
+        self,
+        start: Callable[[bool], tuple[Mapping[str, Column] | None, TensorDict | None]],
+        pending: PendingGet,
+    ) -> tuple[Mapping[str, Column] | None, TensorDict | None, Mapping[str, Column] | None]:
+        """Plan and decode on the helper thread while this one runs ``pending.finish`` (the transfer,
+        which holds no GIL): planning and decoding then cost the get nothing. Submitted just before
+        ``finish``, so this thread runs no Python the helper could hold it up in."""
+        assert self._beside is not None
+        grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+        def run() -> tuple[Mapping[str, Column] | None, TensorDict | None]:  # autograd modes are per thread
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                return start(True)
+
+        done = self._beside.submit(run)
+        try:
+            again = pending.finish()
+        except BaseException:
+            with contextlib.suppress(BaseException):  # the decode only wraps the buffers; let it end first
+                done.result(timeout=self.timeout_s)
+            raise
+        try:
+            cols, out = done.result(timeout=self.timeout_s)  # plan's errors surface here
+        except TimeoutError:
+            raise DataPlaneTimeout(
+                f"decoding a get took over timeout_s={self.timeout_s}s; the host is overloaded, or raise timeout_s"
+            ) from None
+        return cols, out, again
+
+    def _decode(
+        self,
+        columns: Mapping[str, Column],
+        *,
+        fields: list[str],
+        num_rows: int,
+        layout: Layout,
+        pad_values: PadValues,
+        pad_to_multiple: int,
+        pad_to_length: int | None,
+    ) -> TensorDict:
+        for f in fields:
+            col = columns.get(f)
+            if col is None or col.num_rows != num_rows:
+                got = "no column" if col is None else f"{col.num_rows} rows"
+                raise DataPlaneError(
+                    f"{self.capabilities.backend} adapter returned {got} for field {f!r} of {num_rows} keys; "
+                    "this is an adapter bug, please report it"
+                )
+        return decode_columns(
+            {f: columns[f] for f in fields},
+            num_rows,
+            layout=layout,
+            pad_values=pad_values,
+            pad_to_multiple=pad_to_multiple,
+            pad_to_length=pad_to_length,
+            pickle_fields=self.pickle_fields,
+        )
+
+    def empty(self, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        self._check_open()
+        return self._store.empty(check_shape(shape, dtype), dtype)
+
+    def kv_clear(self, keys: Sequence[str] | None = None, *, partition_id: str) -> None:
+        self._check_open()
+        partition_id = _check_partition(partition_id)
+        key_list = None if keys is None else check_keys(keys)
+        self._store.clear(partition_id, key_list, timeout_s=self.timeout_s)
+
+    def kv_list(self, partition_id: str | None = None) -> Listing:
+        self._check_open()
+        partition_id = None if partition_id is None else _check_partition(partition_id)
+        return self._store.list(partition_id, timeout_s=self.timeout_s)
+
+    def close(self) -> None:
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            if self._beside is not None:
+                self._beside.close()
+            self._store.close()
+        finally:
+            for fn in self._on_close:
+                try:
+                    fn()
+                except Exception:  # teardown must go on for the rest
+                    log.exception("dataplane: teardown step %r failed", fn)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<{type(self).__name__} backend={self.capabilities.backend} {state}>"

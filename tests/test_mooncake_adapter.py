@@ -23,12 +23,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dataplane
-from dataplane import store as store_module
-from dataplane.adapters import _mc_handle, _mc_read, _mc_store
-from dataplane.adapters._mc_index import PartitionState, decode_index, index_object_bytes
-from dataplane.adapters._mc_store import _STAGE_BYTES, HINT_KEY, _ids_before
-from dataplane.adapters._mooncake_procs import STREAMING_COPY_ENV, STREAMING_COPY_TUNABLE, child_env, store_server_env
-from dataplane.adapters.mooncake import MooncakeConfig, parse_bytes
+from dataplane import store_client as store_module
+from dataplane._host.mooncake_master import child_env
+from dataplane.adapters.mooncake import HINT_KEY, MooncakeConfig, _get, _handle, _partitions, _read, parse_bytes
+from dataplane.adapters.mooncake._clear import _ids_before
+from dataplane.adapters.mooncake._index import PartitionState, decode_index, index_object_bytes
+from dataplane.adapters.mooncake._partitions import _STAGE_BYTES
+from dataplane.adapters.mooncake._servers import STREAMING_COPY_ENV, STREAMING_COPY_TUNABLE, store_server_env
 from dataplane.codec.jagged import round_up
 from dataplane.columns import first_write
 from dataplane.errors import (
@@ -40,7 +41,7 @@ from dataplane.errors import (
     SchemaError,
 )
 from dataplane.meta import KVBatchMeta
-from dataplane.store import StoreClient
+from dataplane.store_client import StoreClient
 from dataplane.testing.strategies import bit_exact
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -216,7 +217,9 @@ class TestMooncakeAdapter:
         rows = [torch.arange(n) for n in (3, 1, 4)]
         fields = {"ids": _jagged(rows), "r": torch.tensor([1.0, 2.0, 3.0]), "msg": ["a", "b", "c"]}
         store = other.store
-        monkeypatch.setattr(_mc_store, "_QUERY_COST", 0)  # the check after a read queries, however few keys are listed
+        monkeypatch.setattr(
+            _partitions, "_QUERY_COST", 0
+        )  # the check after a read queries, however few keys are listed
         spy_admin = _Spy(monkeypatch, store.admin, ["start_all_keys", "start_existing"])  # type: ignore[attr-defined]
         spy_mc = _Spy(monkeypatch, store.handle, ["put_from", "get_into", "get_ranges"])  # type: ignore[attr-defined]
         meta = owner.kv_batch_put(["a", "b", "c"], fields, partition_id="rt")
@@ -275,7 +278,7 @@ class TestMooncakeAdapter:
             entries = index.fields
             assert entries["ids"].offsets is entries["lp"].offsets
             assert entries["o"].offsets is not entries["ids"].offsets
-            spans = _Spy(monkeypatch, _mc_read._Spans, ["of"])
+            spans = _Spy(monkeypatch, _read._Spans, ["of"])
             got = other.kv_batch_get(["c", "a"], partition_id=pid, select_fields=["ids", "lp", "o"])
             assert spans.calls["of"] == 2  # ids and lp together, o alone
             assert [r.tolist() for r in got["ids"].unbind()] == [list(range(5)), list(range(3))]
@@ -458,7 +461,7 @@ class TestMooncakeAdapter:
         read from a few puts asks for their index objects, a read from most puts in the master lists."""
         pid = "query-or-list"
         # enough single-row puts (an index and a data object each) to be most of what the master holds
-        n = max(24, len(_all_keys(owner)) // (_mc_store._QUERY_COST - 2) + 1)
+        n = max(24, len(_all_keys(owner)) // (_partitions._QUERY_COST - 2) + 1)
         spy = _Spy(monkeypatch, other.store.admin, ["start_all_keys", "start_existing"])  # type: ignore[attr-defined]
         try:
             for i in range(n):
@@ -469,7 +472,7 @@ class TestMooncakeAdapter:
             assert spy.calls == {"start_all_keys": 3, "start_existing": 0}
             assert other.kv_batch_get(["k3"], partition_id=pid, select_fields="x")["x"].tolist() == [3.0]
             assert spy.calls == {"start_all_keys": 4, "start_existing": 1}  # listing; one put: a query
-            monkeypatch.setattr(_mc_store, "_QUERY_MAX_KEYS", 0)  # more names than one query takes: a listing
+            monkeypatch.setattr(_partitions, "_QUERY_MAX_KEYS", 0)  # more names than one query takes: a listing
             assert other.kv_batch_get(["k4"], partition_id=pid, select_fields="x")["x"].tolist() == [4.0]
             assert spy.calls == {"start_all_keys": 6, "start_existing": 1}
         finally:
@@ -483,7 +486,7 @@ class TestMooncakeAdapter:
         try:
             assert store.admin.start_existing([*keys, "dataplane/q/i/3.8"], 5.0)() == set(keys)
             # never blocks past its time, and a failure answers None (the caller then lists)
-            silent = _mc_handle.AdminClient("127.0.0.1", store.deployment.master.rpc_port)
+            silent = _handle.AdminClient("127.0.0.1", store.deployment.master.rpc_port)
             t0 = time.monotonic()
             assert silent.start_existing(keys, 0.5)() is None
             assert time.monotonic() - t0 < 5  # a hang check (10x its 0.5 s limit), not a timing claim
@@ -751,8 +754,8 @@ class TestMooncakeAdapter:
             objects = [k for call in reads.args["get_into"] for k in call[0] if "/d/" in k]
             assert len(objects) == 40 and all(k.endswith("/.all") for k in objects)  # each put whole, once
             gathers: list[Any] = []
-            real_copy = _mc_read.copy_spans
-            monkeypatch.setattr(_mc_read, "copy_spans", lambda *a: (gathers.append(a), real_copy(*a)))
+            real_copy = _read.copy_spans
+            monkeypatch.setattr(_read, "copy_spans", lambda *a: (gathers.append(a), real_copy(*a)))
             adv = other.kv_batch_get(keys, partition_id=pid, select_fields=["adv"])
             # a one-field put's object is its row: read in place, unless padded (no room for the padding there)
             assert (gathers == []) == (other.store._pad == 1)  # type: ignore[attr-defined]
@@ -822,7 +825,7 @@ class TestMooncakeAdapter:
             owner.kv_clear(partition_id="bound")
 
     def test_batches_are_chunked(self, owner: StoreClient, other: StoreClient, monkeypatch: pytest.MonkeyPatch) -> None:
-        monkeypatch.setattr(_mc_handle, "MAX_KEYS_PER_CALL", 2)
+        monkeypatch.setattr(_handle, "MAX_KEYS_PER_CALL", 2)
         fields = {f"f{j}": torch.full((3, 2), j) for j in range(5)}
         metas = [other.kv_batch_put([f"p{i}a", f"p{i}b", f"p{i}c"], fields, partition_id="chunk") for i in range(3)]
         try:
@@ -930,10 +933,10 @@ class TestMooncakeAdapter:
         x = torch.arange(mb << 18, dtype=torch.float32).view(4, -1)  # mb MiB
         meta = owner.kv_batch_put(["a", "b", "c", "d"], {"x": x}, partition_id=pid)
         monkeypatch.setenv("DATAPLANE_DECODE_THREAD", "1")
-        monkeypatch.setattr(_mc_store, "usable_cpus", lambda: cpus)
+        monkeypatch.setattr(_get, "usable_cpus", lambda: cpus)
         passed: list[tuple[bool, float | None, float, bool]] = []  # (held, read issued, wait over, on helper)
 
-        class Gate(_mc_store._Gate):
+        class Gate(_get._Gate):
             __slots__ = ("opened",)
 
             def open(self) -> None:
@@ -945,7 +948,7 @@ class TestMooncakeAdapter:
                 helper = threading.current_thread() is not threading.main_thread()
                 passed.append((self._hold, getattr(self, "opened", None), time.perf_counter(), helper))
 
-        monkeypatch.setattr(_mc_store, "_Gate", Gate)
+        monkeypatch.setattr(_get, "_Gate", Gate)
         reader = dataplane.connect(owner.store.join_url)  # type: ignore[attr-defined]
         try:
             if by == "meta":
@@ -958,7 +961,7 @@ class TestMooncakeAdapter:
             ((hold, opened, over, helper),) = passed  # one read, planned or decoded beside it
             assert helper and hold is held
             if held:
-                assert opened is not None and over - opened >= _mc_store._BESIDE_AFTER_S
+                assert opened is not None and over - opened >= _get._BESIDE_AFTER_S
         finally:
             monkeypatch.undo()
             reader.close()
@@ -978,7 +981,7 @@ class TestMooncakeAdapter:
         meta = owner.kv_batch_put(["a", "b"], {"x": torch.zeros(2, 8)}, partition_id=pid)
         monkeypatch.setenv("DATAPLANE_DECODE_THREAD", "1" if how == "by_meta_beside" else "0")
         reader = dataplane.connect(owner.store.join_url)  # type: ignore[attr-defined]
-        monkeypatch.setattr(_mc_store, "_QUERY_COST", 0)  # the check queries, however few keys are listed
+        monkeypatch.setattr(_partitions, "_QUERY_COST", 0)  # the check queries, however few keys are listed
         if how == "by_keys_listing":
             monkeypatch.setattr(reader.store.admin, "start_existing", lambda keys, timeout_s: lambda: None)  # type: ignore[attr-defined]
         if how.startswith("by_keys"):
@@ -1108,13 +1111,13 @@ class TestMooncakeAdapter:
         fields = {"ids": _jagged(rows), "m": _jagged([r % 2 for r in rows]), "r": torch.tensor([1.0, 2.0, 3.0])}
         meta = owner.kv_batch_put(["a", "b", "c"], fields, partition_id="beside")
         threads: list[str] = []
-        decode = dataplane.store.decode_columns
+        decode = dataplane.store_client.decode_columns
 
         def spy(*args: Any, **kwargs: Any) -> Any:
             threads.append(threading.current_thread().name)
             return decode(*args, **kwargs)
 
-        monkeypatch.setattr(dataplane.store, "decode_columns", spy)
+        monkeypatch.setattr(dataplane.store_client, "decode_columns", spy)
         got: dict[str, Any] = {}
         try:
             for mode in ("0", "1"):

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, settings
 
 import dataplane
 from dataplane.client import DataPlaneClient
-from dataplane.store import DECODE_THREAD_ENV
+from dataplane.store_client import DECODE_THREAD_ENV
 from dataplane.testing import ClientConformance, make_state_machine
 
 pytestmark = [

@@ -15,8 +15,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dataplane.adapters._mc_handle import AdminClient, _lines, error_for
-from dataplane.adapters._mc_index import (
+from dataplane.adapters.mooncake._handle import AdminClient, _lines, error_for
+from dataplane.adapters.mooncake._index import (
     ListedPuts,
     PartitionState,
     PutIndex,

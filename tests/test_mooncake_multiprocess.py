@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import dataplane
-from dataplane.adapters._mooncake_procs import _pid_alive
+from dataplane._host.processes import pid_alive
 from dataplane.errors import BackendUnavailable, CapacityExceeded, DataPlaneError, KeyNotFound
-from dataplane.store import StoreClient
+from dataplane.store_client import StoreClient
 from dataplane.testing.strategies import bit_exact
 
 pytestmark = [
@@ -299,7 +299,7 @@ def test_killed_master_gives_typed_errors_in_bounded_time(shm: bool) -> None:
             assert took < 30, (name, took)
     finally:
         c.close()
-    assert not any(_pid_alive(p) for p in pids)
+    assert not any(pid_alive(p) for p in pids)
 
 
 def test_close_leaves_no_process_and_deployments_do_not_interfere() -> None:
@@ -313,10 +313,10 @@ def test_close_leaves_no_process_and_deployments_do_not_interfere() -> None:
     assert a.kv_batch_get(["k"], partition_id="p", select_fields="x")["x"].tolist() == [1]
     assert b.kv_batch_get(["k"], partition_id="p", select_fields="x")["x"].tolist() == [2]
     a.close()
-    assert not any(_pid_alive(p) for p in pids_a)
+    assert not any(pid_alive(p) for p in pids_a)
     assert b.kv_batch_get(["k"], partition_id="p", select_fields="x")["x"].tolist() == [2]
     b.close()
-    assert not any(_pid_alive(p) for p in pids_b)
+    assert not any(pid_alive(p) for p in pids_b)
 
 
 def _owner_then_sleep(conn: Connection, shm: bool) -> None:
@@ -336,6 +336,6 @@ def test_services_die_with_their_owner(shm: bool) -> None:
     os.kill(proc.pid, signal.SIGKILL)  # the owner process this test started
     proc.join(timeout=10)
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and any(_pid_alive(p) for p in pids):
+    while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
         time.sleep(0.2)
-    assert not any(_pid_alive(p) for p in pids), f"orphans left: {pids}"
+    assert not any(pid_alive(p) for p in pids), f"orphans left: {pids}"

@@ -1,4 +1,4 @@
-"""The shared-memory arenas of a Mooncake client attached to a real client (``_mc_shm``): carving,
+"""The shared-memory arenas of a Mooncake client attached to a real client (``dataplane.adapters.mooncake._shm``): carving,
 coalescing, and reuse across clients of one process. The allocator is tested with plain memory and
 recorded registration calls; the real shared-memory path runs in the adapter, conformance and
 multi-process suites (``shm`` parameter)."""
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import dataplane
-from dataplane.adapters import _mc_shm, _mooncake_procs
-from dataplane.adapters._mc_shm import Arena, ShmArenas
-from dataplane.adapters.mooncake import MooncakeConfig
+from dataplane._host import mooncake_master, processes
+from dataplane.adapters.mooncake import MooncakeConfig, _servers, _shm
+from dataplane.adapters.mooncake._shm import Arena, ShmArenas
 from dataplane.errors import BackendUnavailable, CapacityExceeded, InvalidArgument
 from dataplane.testing.strategies import bit_exact
 
@@ -62,10 +62,10 @@ class _FakeMooncake:
 
 @pytest.fixture
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(_mc_shm, "CHUNK", 1 << 20)
-    monkeypatch.setattr(_mc_shm, "_IDLE", [])
-    monkeypatch.setattr(_mc_shm, "_ORPHANS", [])
-    monkeypatch.setattr(_mc_shm, "_LIVE", [])
+    monkeypatch.setattr(_shm, "CHUNK", 1 << 20)
+    monkeypatch.setattr(_shm, "_IDLE", [])
+    monkeypatch.setattr(_shm, "_ORPHANS", [])
+    monkeypatch.setattr(_shm, "_LIVE", [])
     yield
 
 
@@ -80,13 +80,13 @@ def test_arenas_are_registered_once_and_reused_by_the_next_client() -> None:
     first.free(big)
     first.release()  # the client closes while a and b are still lent out
     assert sorted(fake.unregistered) == sorted(fake.registered)
-    assert len(_mc_shm._IDLE) == 1 and len(_mc_shm._ORPHANS) == 1
+    assert len(_shm._IDLE) == 1 and len(_shm._ORPHANS) == 1
     second = fake.arenas()
     again = second.alloc(1 << 20)  # the idle 3 MiB region, registered with the new client
     assert len(fake.keep) == 2 and again.ctypes.data == big.ctypes.data and len(fake.registered) == 3
     first.free(a)
     first.free(b)  # the orphan's last piece came back: idle again, for any later client
-    assert not _mc_shm._ORPHANS and len(_mc_shm._IDLE) == 1
+    assert not _shm._ORPHANS and len(_shm._IDLE) == 1
 
 
 @pytest.mark.usefixtures("small_chunks")
@@ -95,7 +95,7 @@ def test_a_region_that_could_not_be_unregistered_is_never_reused() -> None:
     first = fake.arenas()
     first.free(first.alloc(100))
     first.release()
-    assert not _mc_shm._IDLE
+    assert not _shm._IDLE
     fake.arenas().alloc(100)
     assert len(fake.keep) == 2  # a new region, not the poisoned one
 
@@ -110,7 +110,7 @@ def test_a_failed_registration_raises_and_keeps_the_region() -> None:
     arenas = ShmArenas(fake.make, refuse, fake.unregister)
     with pytest.raises(BackendUnavailable):
         arenas.alloc(100)
-    assert len(_mc_shm._IDLE) == 1 and not arenas.spans()
+    assert len(_shm._IDLE) == 1 and not arenas.spans()
 
 
 def test_shared_memory_options() -> None:
@@ -144,8 +144,8 @@ def test_a_later_client_of_this_process_reuses_the_shared_memory_of_a_closed_one
             return spans
 
     first = round_trip()
-    assert first and all(size >= _mc_shm.CHUNK for _, size in first)
-    idle = {a.base for a in _mc_shm._IDLE}
+    assert first and all(size >= _shm.CHUNK for _, size in first)
+    idle = {a.base for a in _shm._IDLE}
     assert {base for base, _ in first} <= idle  # every piece came back: free for the next client
     # an idle region, registered with the new client's real client: no new shared memory
     second = {base for base, _ in round_trip()}
@@ -157,22 +157,22 @@ def test_a_piece_freed_while_the_lock_is_held_is_taken_back_later() -> None:
     fake = _FakeMooncake()
     arenas = fake.arenas()
     piece = arenas.alloc(100)
-    with _mc_shm._LOCK:  # as when the garbage collector finalizes a tensor inside alloc
+    with _shm._LOCK:  # as when the garbage collector finalizes a tensor inside alloc
         arenas.free(piece)  # must not wait for the lock
-        assert len(_mc_shm._RETURNED) == 1
+        assert len(_shm._RETURNED) == 1
     assert arenas.alloc(100).ctypes.data == piece.ctypes.data  # taken back first, then reused
-    assert not _mc_shm._RETURNED
+    assert not _shm._RETURNED
 
 
 def test_the_real_client_binary_is_found_in_the_wheel_or_by_override(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DATAPLANE_MOONCAKE_CLIENT", "/opt/mc/mooncake_client")
-    assert _mooncake_procs.find_real_client_binary() == "/opt/mc/mooncake_client"
+    assert _servers.find_real_client_binary() == "/opt/mc/mooncake_client"
     monkeypatch.delenv("DATAPLANE_MOONCAKE_CLIENT")
     if importlib.util.find_spec("mooncake") is None:
         with pytest.raises(RuntimeError, match="DATAPLANE_MOONCAKE_CLIENT"):
-            _mooncake_procs.find_real_client_binary()
+            _servers.find_real_client_binary()
         return
-    path = Path(_mooncake_procs.find_real_client_binary())
+    path = Path(_servers.find_real_client_binary())
     assert path.name == "mooncake_client" and os.access(path, os.X_OK)
 
 
@@ -187,7 +187,7 @@ def test_shared_memory_that_cannot_be_mapped_is_a_capacity_error() -> None:
 
 def test_a_real_client_that_exits_at_start_is_reported_with_its_log(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DATAPLANE_MOONCAKE_CLIENT", "/bin/false")  # exits 1 at once, like a port clash
-    master = _mooncake_procs.MasterHandle(host="127.0.0.1", rpc_port=1, metrics_port=1, pid=os.getpid())
+    master = mooncake_master.MasterHandle(host="127.0.0.1", rpc_port=1, metrics_port=1, pid=os.getpid())
     with pytest.raises(RuntimeError, match="exited rc=1"):
-        _mooncake_procs.start_real_client(master, segment_bytes=1 << 20, attempts=2)
-    assert not [h for h in _mooncake_procs._LIVE if isinstance(h, _mooncake_procs.StoreServerHandle) and h.alive()]
+        _servers.start_real_client(master, segment_bytes=1 << 20, attempts=2)
+    assert not [h for h in processes._LIVE if isinstance(h, _servers.StoreServerHandle) and h.alive()]

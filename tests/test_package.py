@@ -17,11 +17,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dataplane
-from dataplane import hostcopy
-from dataplane._threads import Helper
-from dataplane.bufpool import BufferPool
+from dataplane._host import hostcopy
+from dataplane._host.bufpool import BufferPool
+from dataplane._host.hostcopy import copy_bytes, copy_spans, gather_bytes
+from dataplane._host.threads import Helper
 from dataplane.errors import BackendUnavailable, ClientClosed, InvalidArgument
-from dataplane.hostcopy import copy_bytes, copy_spans, gather_bytes
 from dataplane.observability import CallEvent, ObservedClient
 from dataplane.registry import AdapterSpec
 
@@ -306,7 +306,7 @@ def test_buffer_pool_alloc_hook_makes_every_buffer() -> None:
 def test_slot_lookup_marks_absent_keys() -> None:
     """Every key present (one C-level pass), some absent, one key, none, an empty map: the slot of
     each key, or NONE."""
-    from dataplane.adapters._slots import NONE, lookup
+    from dataplane._host.slots import NONE, lookup
 
     rows = {"a": 3, "b": 0, "c": 7}
     assert lookup(rows, ["c", "a", "b"]).tolist() == [7, 3, 0]

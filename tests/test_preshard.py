@@ -221,7 +221,7 @@ def test_a_rank_needing_fewer_microbatches_still_gets_m_non_empty_ones() -> None
 
 
 def test_split_fallback_fills_bins_before_leaving_any_empty() -> None:
-    from dataplane.preshard import _split_to
+    from dataplane.balance import _split_to
 
     values = [5, 4, 3, 2, 1]
     bins = _split_to([[0, 1], [2, 3, 4]], values, 4)

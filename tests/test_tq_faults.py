@@ -15,7 +15,7 @@ import torch
 from conftest_tq import ray_for_module, requires_mooncake, requires_tq
 
 import dataplane
-from dataplane.adapters._tq_deploy import CONTROLLER_NAME, STORAGE_UNIT_NAME, TQ_NAMESPACE
+from dataplane.adapters.transfer_queue._deploy_config import CONTROLLER_NAME, STORAGE_UNIT_NAME, TQ_NAMESPACE
 from dataplane.errors import BackendUnavailable, CapacityExceeded, DataPlaneTimeout
 
 pytestmark = [pytest.mark.tq, pytest.mark.slow, requires_tq]
@@ -130,7 +130,7 @@ def test_simple_capacity_dead_unit_dead_controller_teardown(ray_cluster: None) -
 def test_mooncake_capacity_teardown_and_foreign_master(ray_cluster: None) -> None:
     import ray
 
-    from dataplane.adapters._mooncake_procs import start_master
+    from dataplane._host.mooncake_master import start_master
 
     foreign = start_master()  # stands in for another user's master on this host
     try:

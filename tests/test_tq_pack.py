@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dataplane.adapters._tq_pack import (
+from dataplane.adapters.transfer_queue._pack import (
     StaleSchema,
     column_of,
     marker_after_put,

@@ -1,5 +1,5 @@
 """Python run beside a Mooncake read: what it costs the read, and what the get's gate (planning and
-decoding start 0.3 ms after the read is issued, ``_mc_store._Gate``) wins.
+decoding start 0.3 ms after the read is issued, ``dataplane.adapters.mooncake._get._Gate``) wins.
 
 Part ``raw``: one client reads a 16 MB RL batch (8 objects) with raw ``batch_get_into`` over shared
 memory while a helper thread of the same process runs Python (a 0.6 ms busy loop, or a get's
@@ -27,8 +27,8 @@ from typing import Any
 import dataplane
 from benchmarks.base import timing_calls
 from benchmarks.put_get import machine_info
-from dataplane._threads import Helper
-from dataplane.adapters import _mc_store
+from dataplane._host.threads import Helper
+from dataplane.adapters.mooncake import _get
 
 MB = 1 << 20
 RESULTS = Path(__file__).resolve().parent
@@ -134,13 +134,13 @@ def get_part(client: Any, size: int, repeat: int) -> dict[str, dict[str, float]]
     helper = Helper("dataplane-decode")
     modes = ("in line", "beside, no gate", "beside, gate")
     got: dict[str, tuple[list[float], list[float]]] = {m: ([], []) for m in modes}
-    min_bytes, below = _mc_store._BESIDE_MIN_BYTES, _mc_store._BESIDE_GATED_BELOW_CPUS
+    min_bytes, below = _get._BESIDE_MIN_BYTES, _get._BESIDE_GATED_BELOW_CPUS
     try:
         for i in range(repeat + 3):
             for mode in modes:
                 reader._beside = None if mode == "in line" else helper  # type: ignore[attr-defined]
-                _mc_store._BESIDE_MIN_BYTES = 1 << 62 if mode == "beside, no gate" else min_bytes
-                _mc_store._BESIDE_GATED_BELOW_CPUS = 1 << 30  # held on any host where the size says so
+                _get._BESIDE_MIN_BYTES = 1 << 62 if mode == "beside, no gate" else min_bytes
+                _get._BESIDE_GATED_BELOW_CPUS = 1 << 30  # held on any host where the size says so
                 pid = f"gate{i}-{mode}"
                 meta = _put_by_writer(here, pid)
                 t0 = time.perf_counter()
@@ -153,7 +153,7 @@ def get_part(client: Any, size: int, repeat: int) -> dict[str, dict[str, float]]
                     got[mode][1].append(reads[-1])
                 reader.kv_clear(partition_id=pid)
     finally:
-        _mc_store._BESIDE_MIN_BYTES, _mc_store._BESIDE_GATED_BELOW_CPUS = min_bytes, below
+        _get._BESIDE_MIN_BYTES, _get._BESIDE_GATED_BELOW_CPUS = min_bytes, below
         with contextlib.suppress(OSError):  # a writer that died has closed its end
             here.send(None)
         writer.join(30)
@@ -177,7 +177,7 @@ def main() -> None:
             "machine": machine_info(),
             "size_mb": args.size_mb,
             "repeat": args.repeat,
-            "gate": {"after_s": _mc_store._BESIDE_AFTER_S, "min_bytes": _mc_store._BESIDE_MIN_BYTES},
+            "gate": {"after_s": _get._BESIDE_AFTER_S, "min_bytes": _get._BESIDE_MIN_BYTES},
             "raw_read_ms": raw_part(client, size, args.repeat),
             "get_by_meta": get_part(client, size, args.repeat),
         }

@@ -1,4 +1,4 @@
-"""A/B of the Mooncake reader's cost-model constants (``dataplane.adapters._mc_read``) on the gets a
+"""A/B of the Mooncake reader's cost-model constants (``dataplane.adapters.mooncake._read``) on the gets a
 data-parallel rank makes: every dp-th row of a batch, all fields, over loopback TCP (the shared-memory
 client reads whole objects only, so the model decides nothing there).
 
@@ -19,7 +19,7 @@ import time
 import torch
 
 import dataplane
-import dataplane.adapters._mc_read as R
+import dataplane.adapters.mooncake._read as R
 from benchmarks.workload import make_batch, same_fields
 
 size, reps = int(sys.argv[1]), int(sys.argv[2])

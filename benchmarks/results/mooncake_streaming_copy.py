@@ -1,8 +1,8 @@
 """Streamed copies in the store server: what they buy, what they cost, and ours against raw with them.
 
 A ``mooncake://local`` store server moves every object with glibc's ``memcpy``. dataplane starts it
-with copies of 256 KiB or more streamed past the caches (``_mooncake_procs.STREAMING_COPY_TUNABLE``)
-and pads every object it writes over shared memory to whole pages (``_mc_index.OBJECT_ALIGN``).
+with copies of 256 KiB or more streamed past the caches (``dataplane.adapters.mooncake._servers.STREAMING_COPY_TUNABLE``)
+and pads every object it writes over shared memory to whole pages (``dataplane.adapters.mooncake._index.OBJECT_ALIGN``).
 One run measures:
 
 1. ``memcpy``: 32 MB copies in a child process (the tunable is read when a process starts), with
@@ -59,7 +59,7 @@ DEPLOYMENTS = ("streamed", "glibc")
 
 def memcpy_part() -> dict[str, dict[str, float]]:
     """ms of a 32 MB copy per distance (bytes the destination lies past the source within a page)."""
-    from dataplane.adapters._mooncake_procs import STREAMING_COPY_FROM, STREAMING_COPY_TUNABLE
+    from dataplane.adapters.mooncake._servers import STREAMING_COPY_FROM, STREAMING_COPY_TUNABLE
 
     out = {}
     for name, tunables in (("glibc", None), ("streamed", f"{STREAMING_COPY_TUNABLE}={STREAMING_COPY_FROM:#x}")):
@@ -77,7 +77,7 @@ def memcpy_part() -> dict[str, dict[str, float]]:
 def _deployments(segment_gib: int) -> Iterator[dict[str, tuple[Any, Any]]]:
     """(owner, reader) of each deployment: ``streamed`` as dataplane starts it, ``glibc`` without."""
     import dataplane
-    from dataplane.adapters._mooncake_procs import STREAMING_COPY_ENV
+    from dataplane.adapters.mooncake._servers import STREAMING_COPY_ENV
 
     with contextlib.ExitStack() as stack:
         out = {}

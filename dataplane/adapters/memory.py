@@ -20,17 +20,18 @@ from urllib.parse import parse_qs, urlparse
 import numpy as np
 import torch
 
-from dataplane.adapters._slots import NONE, add_keys, grown, lookup, merged_tags
-from dataplane.bufpool import BufferPool, default_pool
+from dataplane._host.bufpool import BufferPool, default_pool
+from dataplane._host.hostcopy import copy_spans
+from dataplane._host.slots import NONE, add_keys, grown, lookup, merged_tags
 from dataplane.client import Capabilities, Listing
 from dataplane.codec.jagged import offsets_from_lengths
 from dataplane.codec.wire import Column
 from dataplane.errors import CapacityExceeded, DataPlaneTimeout, InvalidArgument, missing_rows_error
-from dataplane.hostcopy import copy_spans
 from dataplane.meta import KVBatchMeta
 from dataplane.registry import url_option
 from dataplane.schema import FieldSchema, check_compatible
-from dataplane.store import KVStore, StoreClient
+from dataplane.storage import KVStore
+from dataplane.store_client import StoreClient
 
 __all__ = ["MemoryConfig", "MemoryStore", "connect"]
 
@@ -411,8 +412,8 @@ class MemoryStore(KVStore):
     def list(self, partition_id: str | None, *, timeout_s: float) -> Listing:
         self._acquire(timeout_s)
         try:
-            pids = [partition_id] if partition_id is not None else list(self._parts)
-            return {pid: self._parts[pid].listing() for pid in pids if pid in self._parts}
+            partition_ids = [partition_id] if partition_id is not None else list(self._parts)
+            return {part_id: self._parts[part_id].listing() for part_id in partition_ids if part_id in self._parts}
         finally:
             self._lock.release()
 

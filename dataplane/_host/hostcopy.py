@@ -3,10 +3,9 @@
 ``torch.Tensor.copy_`` of a large CPU tensor runs on torch's OpenMP pool, whose threads keep
 spinning for a while after the copy. When a transfer follows at once (a put staging its tensors into
 registered memory, then sending them), those spinning threads take the cores the transport's own
-threads need. On a 16-core host a 16 MB Mooncake put of ordinary tensors, staged with torch, ran at
-0.46-0.67 of a raw put that makes the same copy with numpy; staged here, at 0.84. A copy here runs
-on numpy, which holds no GIL while it moves bytes, split over a few threads of our own that sleep
-when idle.
+threads need (a staged Mooncake put then runs well below a raw put that copies with numpy). A copy
+here runs on numpy, which holds no GIL while it moves bytes, split over a few threads of our own
+that sleep when idle.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dataplane._threads import LazyPool, usable_cpus
+from dataplane._host.threads import LazyPool, usable_cpus
 
 __all__ = ["copy_bytes", "copy_spans", "gather_bytes"]
 
@@ -29,8 +28,7 @@ _PAGE = 4096
 _HELPERS = LazyPool(_MAX_THREADS - 1, "dataplane-copy")
 
 # A gather of spans averaging fewer elements than this goes by an element index (np.take) instead
-# of one slice per span: a slice costs ~0.3 us whatever its size, an indexed element 1-3 ns
-# (2-core VM: 32K spans of 20 elements 10.6 -> 1.2 ms; of 300, slices win 0.6 against 0.9 ms).
+# of one slice per span: a slice costs ~0.3 us whatever its size, an indexed element 1-3 ns.
 _INDEX_BELOW = 100
 _INDEX_BLOCK = 1 << 18  # elements per index block (2 MB of int64 indices, kept per thread)
 # Short spans go by element index only when there are this many per source: each source costs a few
@@ -148,8 +146,8 @@ def _words(t: torch.Tensor, word: int) -> np.ndarray:
 
 class _Scratch(threading.local):
     """Per-thread buffers for element indices, kept between gathers: fresh memory costs a page fault
-    per 4 KiB on first touch (~2 us each on the 2-core VM), and temporaries of a few MB come fresh
-    from the OS again and again, which made a gather of short rows 4-5x slower than its copies.
+    per 4 KiB on first touch, and temporaries of a few MB come fresh from the OS again and again,
+    which made a gather of short rows several times slower than its copies.
     A thread that gathered keeps at most two index blocks and one block of values per word size
     (~8 MB)."""
 

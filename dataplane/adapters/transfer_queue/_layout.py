@@ -2,10 +2,10 @@
 
 * **Data.** Every field travels in wire form, so TQ never pickles anything. On SimpleStorage the
   fields of one put travel together as one packed TQ field, one uint8 blob per row
-  (:mod:`dataplane.adapters._tq_pack`). On Mooncake each field is its own TQ field: a dense column
+  (:mod:`dataplane.adapters.transfer_queue._pack`). On Mooncake each field is its own TQ field: a dense column
   as its ``[B, *inner]`` tensor, a jagged column as a jagged nested tensor built (zero-copy) from
   its ``values``/``offsets``, an object column as a jagged **uint8** nested tensor of its msgpack
-  bytes (:mod:`dataplane.adapters._tq_mooncake` moves the bytes).
+  bytes (:mod:`dataplane.adapters.transfer_queue._mooncake_backend` moves the bytes).
 * **Schema.** One reserved key per (partition, field), ``__dataplane__/schema/<field>``, whose TQ
   tags hold the field's :class:`~dataplane.schema.FieldSchema`. It lives in the partition, so every
   process sees it and clearing the partition clears it. One key per field (not one per partition)

@@ -1,28 +1,6 @@
-"""``tq://``: TransferQueue (Ray-based) with its ``simple`` or ``mooncake`` storage backend.
-
-One TransferQueue runs per Ray cluster. The first process to connect with a ``backend`` starts it
-(Ray too, if the process has none) and owns it; every other process -- a Ray actor typically just
-calls ``dataplane.connect("tq://")`` -- attaches. Only the owner's last client tears the deployment
-down (its actors, its ``mooncake_master``, and Ray if it started Ray); anyone else's ``close()``
-closes only that client. TQ's client is process-global, so all clients of one process share one
-attachment, refcounted.
-
-What the adapter adds on top of TQ (each gap measured on ``transferqueue`` 0.1.11): a
-per-(partition, field) schema kept in the partition itself and checked before anything is written;
-exact shapes, dtypes and kinds on the way back; object columns as msgpack bytes (TQ never pickles);
-no phantom keys after a failed put; gets that raise ``KeyNotFound`` naming what is missing where TQ
-silently drops it; a timeout on every call; TQ's capacity errors and Mooncake's ``-200`` as
-``CapacityExceeded``. Layout and round trips: :mod:`dataplane.adapters._tq_wire`,
-:mod:`dataplane.adapters._tq_ops`.
-
-On a failed put (a storage error, a timeout) the keys the put created are removed again. Keys that
-existed before keep their tags and their other fields, but each field the put was writing may hold
-its old or its new value on each of them (TQ has no transactions): re-write or clear them.
-
->>> import dataplane  # doctest: +SKIP
->>> with dataplane.connect("tq://?backend=simple") as client:  # doctest: +SKIP
-...     meta = client.kv_batch_put(["a", "b"], {"x": torch.zeros(2, 3)}, partition_id="train")
-"""
+"""The ``tq://`` store over TransferQueue: its options (:class:`TQConfig`), the one deployment a
+process shares between its clients, and :func:`connect`. The package docstring
+(:mod:`dataplane.adapters.transfer_queue`) describes the adapter as a whole."""
 
 from __future__ import annotations
 
@@ -34,9 +12,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 from urllib.parse import parse_qs, urlparse
 
-from dataplane.adapters import _tq_deploy
-from dataplane.adapters._tq_ops import SCHEMA_EXTRA, TQOps
-from dataplane.adapters._tq_wire import MARKER, RESERVED_PREFIX
+from dataplane.adapters.transfer_queue._deploy_config import TQDeployConfig
+from dataplane.adapters.transfer_queue._deployment import TQDeployment, start_or_attach
+from dataplane.adapters.transfer_queue._layout import MARKER, RESERVED_PREFIX
+from dataplane.adapters.transfer_queue._ops import SCHEMA_EXTRA, TQOps
 from dataplane.client import Capabilities, Listing
 from dataplane.codec.wire import Column
 from dataplane.errors import (
@@ -49,7 +28,8 @@ from dataplane.errors import (
 )
 from dataplane.meta import KVBatchMeta
 from dataplane.registry import url_option
-from dataplane.store import KVStore, StoreClient
+from dataplane.storage import KVStore
+from dataplane.store_client import StoreClient
 
 __all__ = ["TQConfig", "TQStore", "attached_clients", "connect"]
 
@@ -129,8 +109,8 @@ class TQConfig:
             values.setdefault("ray_address", parsed.netloc)
         return cls(**{**values, **options})
 
-    def deploy_config(self) -> _tq_deploy.TQDeployConfig:
-        return _tq_deploy.TQDeployConfig(
+    def deploy_config(self) -> TQDeployConfig:
+        return TQDeployConfig(
             storage=self.backend or "simple",
             attach_only=self.backend is None,
             num_storage_units=self.units,
@@ -148,11 +128,11 @@ class TQConfig:
 # One TransferQueue client per process (TQ keeps it in a module global): every tq:// client of this
 # process shares one deployment handle, refcounted; the last one to close closes the handle.
 _SHARED_LOCK = threading.Lock()
-_SHARED: _tq_deploy.TQDeployment | None = None
+_SHARED: TQDeployment | None = None
 _SHARED_REFS = 0
 
 
-def _acquire(cfg: _tq_deploy.TQDeployConfig) -> _tq_deploy.TQDeployment:
+def _acquire(cfg: TQDeployConfig) -> TQDeployment:
     """The process's deployment handle, started or attached on first use (``ValueError`` when ``cfg``
     asks for another storage than the one this process is on)."""
     global _SHARED, _SHARED_REFS
@@ -162,7 +142,7 @@ def _acquire(cfg: _tq_deploy.TQDeployConfig) -> _tq_deploy.TQDeployment:
             log.warning("the TransferQueue client of this process was closed behind dataplane's back; reopening")
             _SHARED, _SHARED_REFS, dep = None, 0, None
         if dep is None:
-            dep = _tq_deploy.start_or_attach(cfg)
+            dep = start_or_attach(cfg)
             _SHARED, _SHARED_REFS = dep, 0
         elif not cfg.attach_only and dep.storage != cfg.storage:
             raise ValueError(
@@ -174,7 +154,7 @@ def _acquire(cfg: _tq_deploy.TQDeployConfig) -> _tq_deploy.TQDeployment:
         return dep
 
 
-def _release(dep: _tq_deploy.TQDeployment) -> None:
+def _release(dep: TQDeployment) -> None:
     global _SHARED, _SHARED_REFS
     with _SHARED_LOCK:
         if dep is _SHARED:
@@ -234,7 +214,7 @@ class TQStore(KVStore):
         return self._caps
 
     @property
-    def deployment(self) -> _tq_deploy.TQDeployment:
+    def deployment(self) -> TQDeployment:
         return self._dep
 
     @property

@@ -36,7 +36,7 @@ from urllib.parse import quote, unquote
 import msgpack
 import numpy as np
 
-from dataplane.adapters._slots import NONE, add_keys, grown, lookup, merged_tags
+from dataplane._host.slots import NONE, add_keys, grown, lookup, merged_tags
 from dataplane.codec.jagged import round_up
 from dataplane.errors import BackendUnavailable, InvalidArgument, SchemaError
 from dataplane.schema import FieldSchema
@@ -70,9 +70,8 @@ __all__ = [
 INDEX_VERSION = 4
 _READS = (2, 3, 4)  # versions this dataplane decodes (2 has no packed puts, 2 and 3 no padding)
 # A store server copies objects with glibc's memcpy, which streams copies past the caches
-# (_mooncake_procs.STREAMING_COPY_TUNABLE): 1.6x faster, but 2-5x slower than an ordinary copy where
-# the destination lies 1-700 bytes past the source within a page (4K aliasing; measured on the 2-core
-# VM, benchmarks/results/mooncake_streaming_copy.md). Mooncake places each object right after the
+# (_servers.STREAMING_COPY_TUNABLE): faster, but several times slower than an ordinary copy where
+# the destination lies 1-700 bytes past the source within a page (4K aliasing). Mooncake places each object right after the
 # last, so one odd-sized object shifts every later one. A writer that sends from its own memory pads
 # every object to a multiple of this (index objects always; data objects where its index says so):
 # then objects start on a page in the segment, and reads land them on a page too.
@@ -169,7 +168,7 @@ def new_put_id(writer: str) -> str:
 
 def index_lines(ns: str) -> re.Pattern[bytes]:
     """Finds the index keys of namespace ``ns`` (every partition) in a ``/get_all_keys`` answer with a
-    newline put in front (see :func:`dataplane.adapters._mc_handle._lines`)."""
+    newline put in front (see :func:`dataplane.adapters.mooncake._handle._lines`)."""
     return re.compile(rb"\n(" + re.escape(ns.encode()) + rb"/[^/\n]+/i/[^\n]*)")
 
 
@@ -469,8 +468,8 @@ class PartitionState:
         if self.puts.keys() <= current.keys():
             new = sorted(current.keys() - self.puts.keys())
             if not new or new[0] > self.max_id:
-                for pid in new:
-                    self.apply(current[pid])
+                for put_id in new:
+                    self.apply(current[put_id])
                 return self
         return PartitionState.build(current.values())
 
@@ -538,7 +537,7 @@ class PartitionState:
                     numbers.add(number)
         live = {self._folded[i].put_id for i in numbers if i != NONE}
         garbage: list[PutIndex] = []
-        live_puts = [self.puts[pid] for pid in live]
+        live_puts = [self.puts[put_id] for put_id in live]
         for p in self.puts.values():
             if p.op == "put":
                 if p.put_id not in live:

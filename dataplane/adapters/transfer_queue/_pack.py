@@ -19,7 +19,7 @@ and takes four times as long as the same bytes in one field. Packed, it is 256 t
   until the row is cleared (TQ clears rows, not fields).
 
 The put copies every byte once into a staging buffer, the get once per field out of TQ's frames;
-both buffers come from :func:`dataplane.bufpool.default_pool` (a fresh one would pay a page fault
+both buffers come from :func:`dataplane._host.bufpool.default_pool` (a fresh one would pay a page fault
 per 4 KiB, which costs more than the copy).
 """
 
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dataplane.bufpool import default_pool
+from dataplane._host.bufpool import default_pool
 from dataplane.codec.jagged import offsets_from_lengths, to_nested
 from dataplane.codec.wire import Column
 from dataplane.errors import DataPlaneError, SchemaError

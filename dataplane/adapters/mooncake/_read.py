@@ -19,12 +19,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dataplane.adapters._mc_handle import NOT_FOUND, NOT_READY, TRANSIENT, StoreHandle, error_for
-from dataplane.adapters._mc_index import OBJECT_ALIGN, PACK_ALIGN, PutIndex, Resolved, data_keys, packed_key
-from dataplane.bufpool import BufferPool
+from dataplane._host.bufpool import BufferPool
+from dataplane._host.hostcopy import copy_spans
+from dataplane.adapters.mooncake._handle import NOT_FOUND, NOT_READY, TRANSIENT, StoreHandle, error_for
+from dataplane.adapters.mooncake._index import OBJECT_ALIGN, PACK_ALIGN, PutIndex, Resolved, data_keys, packed_key
 from dataplane.codec.jagged import round_up
 from dataplane.codec.wire import Column
-from dataplane.hostcopy import copy_spans
 from dataplane.schema import FieldSchema
 
 __all__ = ["Landing", "ReadOp", "Reader", "Vanished"]
@@ -35,11 +35,8 @@ _INVALID = -600  # Mooncake's INVALID_PARAMS, e.g. for a buffer smaller than the
 
 # Cost model of one read over TCP or RDMA (a shared-memory client reads whole objects only): each
 # contiguous piece costs a fixed time whatever its size, bytes then move at the network's rate, and
-# a local gather copy at memory speed. benchmarks.mooncake_layout measures ~40 us per range and
-# ~2 GB/s on loopback TCP (2-core VM). Those values made gets of a data-parallel rank's rows 1.03-1.18x
-# faster on that VM where they chose differently from these, but 0.85-1.03x on a 16-core host
-# (benchmarks/results/mooncake_cost_model_ab.md): the best constants depend on the machine, so these
-# stay.
+# a local gather copy at memory speed. The best constants depend on the machine (python -m
+# benchmarks.mooncake_layout measures a host's); these are a middle ground between small and large hosts.
 _PIECE_S = 150e-6
 _NET_BPS = 1.2e9
 _COPY_BPS = 8e9

@@ -16,7 +16,7 @@ Controller round trips (ZMQ requests to the ``TransferQueueController``), measur
 * get by keys: 2, sent concurrently (the rows' metadata and the requested fields' schema keys), so
   the latency is about one.
 
-On SimpleStorage a put's fields travel as one packed TQ field (:mod:`dataplane.adapters._tq_pack`),
+On SimpleStorage a put's fields travel as one packed TQ field (:mod:`dataplane.adapters.transfer_queue._pack`),
 so TQ's per-(row, field) cost is paid once per row.
 
 Everything before the storage write is validation: a schema conflict raises ``SchemaError`` and
@@ -35,19 +35,8 @@ from typing import Any
 
 from tensordict import TensorDict
 
-from dataplane.adapters._tq_deploy import TQDeployment
-from dataplane.adapters._tq_mooncake import MooncakeData, ReadPlan
-from dataplane.adapters._tq_pack import (
-    ParsedPack,
-    StaleSchema,
-    column_of,
-    marker_after_put,
-    pack_columns,
-    pack_field,
-    packs_of_marker,
-    parse_pack,
-)
-from dataplane.adapters._tq_wire import (
+from dataplane.adapters.transfer_queue._deployment import TQDeployment
+from dataplane.adapters.transfer_queue._layout import (
     MARKER,
     decode_schemas,
     is_reserved,
@@ -57,6 +46,17 @@ from dataplane.adapters._tq_wire import (
     signature_matches,
     split_fields,
     to_tq,
+)
+from dataplane.adapters.transfer_queue._mooncake_backend import MooncakeData, ReadPlan
+from dataplane.adapters.transfer_queue._pack import (
+    ParsedPack,
+    StaleSchema,
+    column_of,
+    marker_after_put,
+    pack_columns,
+    pack_field,
+    packs_of_marker,
+    parse_pack,
 )
 from dataplane.client import Listing
 from dataplane.codec.wire import Column
@@ -83,7 +83,7 @@ def _log_failure(fut: asyncio.Future[Any]) -> None:
 
 
 def _missing_fields(
-    pid: str,
+    partition_id: str,
     keys: Sequence[str],
     absent: Sequence[str],
     markers: Sequence[set[str]],
@@ -95,7 +95,7 @@ def _missing_fields(
     for f in absent:
         lacking = [k for k, m in zip(keys, markers, strict=False) if f not in m or f not in known]
         missing[f] = lacking or list(keys)
-    return missing_rows_error(pid, (), missing)
+    return missing_rows_error(partition_id, (), missing)
 
 
 class TQOps:
@@ -119,20 +119,20 @@ class TQOps:
         self._background: set[asyncio.Future[Any]] = set()
 
     # ------------------------------------------------------------------ controller requests
-    async def _retrieve(self, pid: str, keys: list[str], *, create: bool = False) -> Any:
+    async def _retrieve(self, partition_id: str, keys: list[str], *, create: bool = False) -> Any:
         self.round_trips += 1
-        return await self.client.async_kv_retrieve_meta(keys=keys, partition_id=pid, create=create)
+        return await self.client.async_kv_retrieve_meta(keys=keys, partition_id=partition_id, create=create)
 
-    async def _set_tags(self, pid: str, gis: list[int], tags: list[dict[str, Any]]) -> None:
+    async def _set_tags(self, partition_id: str, gis: list[int], tags: list[dict[str, Any]]) -> None:
         from transfer_queue.metadata import BatchMeta
 
         if gis:
             self.round_trips += 1
-            await self.client.async_set_custom_meta(BatchMeta(gis, [pid] * len(gis), custom_meta=tags))
+            await self.client.async_set_custom_meta(BatchMeta(gis, [partition_id] * len(gis), custom_meta=tags))
 
-    async def _listing(self, pid: str | None) -> dict[str, dict[str, dict[str, Any]]]:
+    async def _listing(self, partition_id: str | None) -> dict[str, dict[str, dict[str, Any]]]:
         self.round_trips += 1
-        out: dict[str, dict[str, dict[str, Any]]] = await self.client.async_kv_list(pid)
+        out: dict[str, dict[str, dict[str, Any]]] = await self.client.async_kv_list(partition_id)
         return out
 
     async def _in_thread(self, fn: Any, *args: Any) -> Any:
@@ -141,7 +141,7 @@ class TQOps:
     # ------------------------------------------------------------------ put
     async def put(
         self,
-        pid: str,
+        partition_id: str,
         keys: Sequence[str],
         columns: Mapping[str, Column],
         tags: Sequence[Mapping[str, Any]] | None,
@@ -150,7 +150,7 @@ class TQOps:
         deadline = asyncio.get_running_loop().time() + budget_s
         fields = list(columns)
         nf = len(fields)
-        bm = await self._retrieve(pid, [schema_key(f) for f in fields] + list(keys), create=True)
+        bm = await self._retrieve(partition_id, [schema_key(f) for f in fields] + list(keys), create=True)
         if bm.size != nf + len(keys):
             raise BackendUnavailable(f"TransferQueue registered {bm.size} of {nf + len(keys)} keys; is it overloaded?")
         recorded = decode_schemas(bm.custom_meta[:nf])
@@ -160,16 +160,16 @@ class TQOps:
         try:
             for f, col in columns.items():
                 if f in recorded:
-                    check_compatible(pid, f, recorded[f], col.schema)
+                    check_compatible(partition_id, f, recorded[f], col.schema)
         except SchemaError:
             try:
-                await self._unregister(pid, new_gis)
+                await self._unregister(partition_id, new_gis)
             except Exception as e:  # the SchemaError is what the caller must see
                 log.warning("dataplane: could not unregister %d keys of a rejected put: %s", len(new_gis), e)
             raise
         from transfer_queue.metadata import BatchMeta, extract_field_schema
 
-        rows = BatchMeta(gis, [pid] * len(gis))
+        rows = BatchMeta(gis, [partition_id] * len(gis))
         writing: asyncio.Future[Any] | None = None
         try:
             if self.mooncake is None:
@@ -183,7 +183,7 @@ class TQOps:
                 writing = asyncio.ensure_future(self._in_thread(self.mooncake.put, gis, columns))
                 await asyncio.shield(writing)  # a timeout must not orphan the write (see _rollback)
                 self.round_trips += 1
-                await self.manager.notify_data_update(pid, gis, extract_field_schema(td), None)
+                await self.manager.notify_data_update(partition_id, gis, extract_field_schema(td), None)
                 marking = functools.partial(_marker_with, fields=frozenset(fields))
             commit_gis, commit_tags = [], []
             for i, (gi, old) in enumerate(zip(gis, old_tags, strict=True)):
@@ -197,12 +197,12 @@ class TQOps:
                 if f not in recorded:
                     commit_gis.append(bm.global_indexes[j])
                     commit_tags.append(schema_tag(f, columns[f].schema))
-            await self._set_tags(pid, commit_gis, commit_tags)
+            await self._set_tags(partition_id, commit_gis, commit_tags)
         except BaseException as e:
             if isinstance(e, asyncio.CancelledError) and (task := asyncio.current_task()) is not None:
                 task.uncancel()  # the caller has timed out already: the rollback goes on in the background
             undo = asyncio.ensure_future(
-                asyncio.wait_for(self._rollback(pid, new_gis, fields, writing), ROLLBACK_TIMEOUT_S)
+                asyncio.wait_for(self._rollback(partition_id, new_gis, fields, writing), ROLLBACK_TIMEOUT_S)
             )
             self._background.add(undo)
             undo.add_done_callback(self._background.discard)
@@ -213,15 +213,15 @@ class TQOps:
             raise
         return {SCHEMA_EXTRA: {f: c.schema.to_dict() for f, c in columns.items()}}
 
-    async def _unregister(self, pid: str, gis: list[int]) -> None:
+    async def _unregister(self, partition_id: str, gis: list[int]) -> None:
         """Forget keys that hold no data (controller only)."""
         from transfer_queue.metadata import BatchMeta
 
         if gis:
             self.round_trips += 1
-            await self.client._clear_meta_in_controller(BatchMeta(gis, [pid] * len(gis)))
+            await self.client._clear_meta_in_controller(BatchMeta(gis, [partition_id] * len(gis)))
 
-    async def _rollback(self, pid: str, new_gis: list[int], fields: list[str], writing: Any) -> None:
+    async def _rollback(self, partition_id: str, new_gis: list[int], fields: list[str], writing: Any) -> None:
         """Remove the rows a failed put created: their bytes, then their keys."""
         from transfer_queue.metadata import BatchMeta
 
@@ -229,7 +229,7 @@ class TQOps:
             await asyncio.shield(writing)  # let the Mooncake write finish before removing what it wrote
         if not new_gis:
             return
-        meta = BatchMeta(new_gis, [pid] * len(new_gis))
+        meta = BatchMeta(new_gis, [partition_id] * len(new_gis))
         try:  # best effort: a dead storage unit must not keep the keys registered
             if self.mooncake is None:
                 await asyncio.wait_for(self.manager.clear_data(meta), ROLLBACK_TIMEOUT_S / 2)
@@ -237,37 +237,37 @@ class TQOps:
                 await asyncio.wait_for(self._in_thread(self.mooncake.remove, new_gis, fields), ROLLBACK_TIMEOUT_S / 2)
         except Exception as e:
             log.warning("dataplane: rollback could not remove the data of %d rows: %s", len(new_gis), e)
-        await self._unregister(pid, new_gis)
+        await self._unregister(partition_id, new_gis)
 
     # ------------------------------------------------------------------ get
     async def get(
-        self, pid: str, keys: Sequence[str], fields: Sequence[str], carried: Mapping[str, Any] | None
+        self, partition_id: str, keys: Sequence[str], fields: Sequence[str], carried: Mapping[str, Any] | None
     ) -> dict[str, Column]:
         if self.mooncake is None:
-            return await self._packed_get(pid, keys, list(fields), carried)
+            return await self._packed_get(partition_id, keys, list(fields), carried)
         skeys = [schema_key(f) for f in fields]
         known = {f: FieldSchema.from_dict(carried[f]) for f in fields if carried and f in carried}
         if len(known) == len(fields):
-            bm = await self._retrieve(pid, list(keys))
+            bm = await self._retrieve(partition_id, list(keys))
             seen = bm.field_schema
             if not all(signature_matches(known[f], seen[f]) for f in fields if f in seen):
-                known = decode_schemas((await self._retrieve(pid, skeys)).custom_meta)
+                known = decode_schemas((await self._retrieve(partition_id, skeys)).custom_meta)
         else:
-            bm, sm = await asyncio.gather(self._retrieve(pid, list(keys)), self._retrieve(pid, skeys))
+            bm, sm = await asyncio.gather(self._retrieve(partition_id, list(keys)), self._retrieve(partition_id, skeys))
             known = decode_schemas(sm.custom_meta)
         if bm.size != len(keys):
-            raise await self._missing_keys(pid, keys)
+            raise await self._missing_keys(partition_id, keys)
         absent = [f for f in fields if f not in bm.field_schema or f not in known]
         if absent:
             markers = [split_fields(t.get(MARKER)) for t in bm.custom_meta]
-            raise _missing_fields(pid, keys, absent, markers, known)
+            raise _missing_fields(partition_id, keys, absent, markers, known)
         n = len(keys)
         plans = {f: ReadPlan(known[f], self._lengths(f, known[f], bm.field_schema[f], n)) for f in fields}
         got: dict[str, Column] = await self._in_thread(self.mooncake.get, bm.global_indexes, plans)
         return got
 
     async def _packed_get(
-        self, pid: str, keys: Sequence[str], fields: list[str], carried: Mapping[str, Any] | None
+        self, partition_id: str, keys: Sequence[str], fields: list[str], carried: Mapping[str, Any] | None
     ) -> dict[str, Column]:
         """SimpleStorage get: group the rows by the packs holding the fields, read each group's packs
         straight from the units (TQ's ``get_data`` would first build a nested tensor per pack), and
@@ -276,12 +276,12 @@ class TQOps:
         known = {f: FieldSchema.from_dict(carried[f]) for f in fields if carried and f in carried}
         trusted = len(known) == len(fields)  # carried by the meta; the blobs' schema tokens check it
         if trusted:
-            bm = await self._retrieve(pid, list(keys))
+            bm = await self._retrieve(partition_id, list(keys))
         else:
-            bm, sm = await asyncio.gather(self._retrieve(pid, list(keys)), self._retrieve(pid, skeys))
+            bm, sm = await asyncio.gather(self._retrieve(partition_id, list(keys)), self._retrieve(partition_id, skeys))
             known = decode_schemas(sm.custom_meta)
         if bm.size != len(keys):
-            raise await self._missing_keys(pid, keys)
+            raise await self._missing_keys(partition_id, keys)
         groups: dict[tuple[str, ...], list[int]] = {}
         resolved: dict[str | None, tuple[str, ...] | None] = {}
         lacking: list[int] = []
@@ -299,7 +299,7 @@ class TQOps:
         if lacking or any(f not in known for f in fields):
             markers = [split_fields(t.get(MARKER)) for t in bm.custom_meta]
             absent = [f for f in fields if f not in known or any(f not in markers[p] for p in lacking)]
-            raise _missing_fields(pid, keys, absent, markers, known)
+            raise _missing_fields(partition_id, keys, absent, markers, known)
         gis = bm.global_indexes
         reads = [
             self._read_rows([gis[p] for p in positions], list(dict.fromkeys(packs)))
@@ -321,9 +321,9 @@ class TQOps:
                     ) from e
             # the meta's schemas are stale (the partition was cleared and re-written since): read them, once
             trusted = False
-            known = decode_schemas((await self._retrieve(pid, skeys)).custom_meta)
+            known = decode_schemas((await self._retrieve(partition_id, skeys)).custom_meta)
             if any(f not in known for f in fields):
-                raise _missing_fields(pid, keys, [f for f in fields if f not in known], [], known)
+                raise _missing_fields(partition_id, keys, [f for f in fields if f not in known], [], known)
 
     async def _read_rows(self, gis: list[int], packs: list[str]) -> dict[str, list[Any]]:
         """Each pack's blob of each row, in the order of ``gis``, from the units that hold them."""
@@ -365,17 +365,17 @@ class TQOps:
             )
         return [int(s[0]) for s in shapes]
 
-    async def _missing_keys(self, pid: str, keys: Sequence[str]) -> KeyNotFound:
-        rows = (await self._listing(pid)).get(pid, {})
+    async def _missing_keys(self, partition_id: str, keys: Sequence[str]) -> KeyNotFound:
+        rows = (await self._listing(partition_id)).get(partition_id, {})
         missing = [k for k in keys if k not in rows]
-        return missing_rows_error(pid, missing or list(keys))
+        return missing_rows_error(partition_id, missing or list(keys))
 
     # ------------------------------------------------------------------ clear / list
-    async def clear(self, pid: str, keys: Sequence[str] | None) -> None:
+    async def clear(self, partition_id: str, keys: Sequence[str] | None) -> None:
         if keys is None:
-            await self._drop_partition(pid)
+            await self._drop_partition(partition_id)
             return
-        bm = await self._retrieve(pid, [k for k in keys if not is_reserved(k)])
+        bm = await self._retrieve(partition_id, [k for k in keys if not is_reserved(k)])
         if bm.size == 0:
             return
         fields = set(bm.field_names).union(*(split_fields(t.get(MARKER)) for t in bm.custom_meta))
@@ -387,13 +387,13 @@ class TQOps:
             await self._in_thread(self.mooncake.remove, bm.global_indexes, sorted(fields))
         self.round_trips += 1
         await self.client._clear_meta_in_controller(bm)
-        rows = (await self._listing(pid)).get(pid)
+        rows = (await self._listing(partition_id)).get(partition_id)
         if rows is not None and all(is_reserved(k) for k in rows):
-            await self._drop_partition(pid)  # its last row is gone: forget its schema too
+            await self._drop_partition(partition_id)  # its last row is gone: forget its schema too
 
-    async def _drop_partition(self, pid: str) -> None:
+    async def _drop_partition(self, partition_id: str) -> None:
         self.round_trips += 1
-        meta = await self.client._get_partition_meta(pid)
+        meta = await self.client._get_partition_meta(partition_id)
         if meta is None:
             return
         if meta.size:
@@ -405,11 +405,11 @@ class TQOps:
                 else:
                     await self._in_thread(self.mooncake.remove, meta.global_indexes, meta.field_names)
         self.round_trips += 1
-        await self.client._clear_partition_in_controller(pid)
+        await self.client._clear_partition_in_controller(partition_id)
 
-    async def list(self, pid: str | None) -> Listing:
+    async def list(self, partition_id: str | None) -> Listing:
         out: Listing = {}
-        for p, rows in (await self._listing(pid)).items():
+        for p, rows in (await self._listing(partition_id)).items():
             visible = {
                 k: {t: v for t, v in tags.items() if t != MARKER}
                 for k, tags in rows.items()

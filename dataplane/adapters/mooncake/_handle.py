@@ -27,7 +27,7 @@ from urllib.parse import quote
 
 import numpy as np
 
-from dataplane.adapters._mc_shm import CHUNK, ShmArenas
+from dataplane.adapters.mooncake._shm import CHUNK, ShmArenas
 from dataplane.errors import (
     BackendUnavailable,
     CapacityExceeded,

@@ -1,6 +1,6 @@
 """A dedicated Mooncake store-server process: mounts a segment into the pool and holds it.
 
-Started by ``_mooncake_procs.start_store_server``; stdlib + mooncake only (it may be run by path
+Started by ``dataplane.adapters.mooncake._servers.start_store_server``; stdlib + mooncake only (it may be run by path
 with ``python -P``, so it must not import ``dataplane``). Protocol with the parent:
 
 * exactly one line on the ORIGINAL stdout: ``DATAPLANE_MOONCAKE_SERVER_READY {json}`` or
@@ -25,7 +25,7 @@ import time
 READY_PREFIX = "DATAPLANE_MOONCAKE_SERVER_READY "
 ERROR_PREFIX = "DATAPLANE_MOONCAKE_SERVER_ERROR "
 
-_ENV_DEFAULTS = {  # keep in sync with _mooncake_procs._ENV_DEFAULTS (this file must not import it)
+_ENV_DEFAULTS = {  # keep in sync with dataplane._host.mooncake_master._ENV_DEFAULTS (this file must not import it)
     "MC_LOG_LEVEL": "WARNING",
     "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
     "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535",

@@ -1,7 +1,6 @@
 """A pool of large, already-faulted host buffers handed out as tensors.
 
-Allocating a fresh 128 MB tensor costs more in page faults than copying into it (about 2 GB/s
-against 17 GB/s on a 2-core VM). The pool keeps released slabs and hands them out again. A slab
+Allocating a fresh 128 MB tensor costs more in page faults than copying into it. The pool keeps released slabs and hands them out again. A slab
 goes back to the pool only when the tensor it was lent as, and every view of it, is gone, so a
 caller owns what it gets exactly as if it were ``torch.empty``.
 
