@@ -243,7 +243,6 @@ def test_backends_are_imported_lazily() -> None:
     assert not offenders, offenders
 
 
-@pytest.mark.xfail(strict=True, reason=REFACTOR)
 def test_no_adapter_imports_another_adapters_modules() -> None:
     offenders = cross_adapter_imports(sources_under("dataplane/adapters"))
     assert not offenders, "\n".join(offenders)
