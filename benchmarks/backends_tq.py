@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.base import BenchBackend
+from benchmarks.backends import BenchBackend
 from benchmarks.workload import Batch
 
 __all__ = ["BACKENDS"]
@@ -55,7 +55,7 @@ def reader_url(client: Any) -> tuple[str, dict[str, Any]]:
 def own_master() -> tuple[dict[str, Any], Any]:
     """A ``mooncake_master`` for ``tq-mooncake``, started while other backends run (it takes ~3 s to
     settle); TransferQueue joins it (``master=``) and the benchmark stops it after the client."""
-    from dataplane.adapters._mooncake_procs import start_master
+    from dataplane.adapters.mooncake import start_master
 
     master = start_master()
     return {"master": master.address}, master.stop

@@ -127,14 +127,25 @@ from typing import Any, Literal
 from urllib.parse import parse_qs, urlparse
 
 from dataplane.adapters import _mooncake_procs as procs
-from dataplane.adapters._mc_handle import AdminClient, StoreHandle
+from dataplane.adapters._mc_handle import MAX_KEYS_PER_CALL, AdminClient, StoreHandle
 from dataplane.adapters._mc_index import check_ns
 from dataplane.adapters._mc_store import HINT_KEY, MooncakeStore
+from dataplane.adapters._mooncake_procs import apply_client_env_defaults, start_master
 from dataplane.errors import BackendUnavailable, InvalidArgument
 from dataplane.registry import url_bool, url_option
 from dataplane.store import StoreClient
 
-__all__ = ["HINT_KEY", "LocalDeployment", "MooncakeConfig", "MooncakeStore", "connect"]
+__all__ = [
+    "HINT_KEY",
+    "MAX_KEYS_PER_CALL",
+    "AdminClient",
+    "LocalDeployment",
+    "MooncakeConfig",
+    "MooncakeStore",
+    "apply_client_env_defaults",
+    "connect",
+    "start_master",
+]
 
 log = logging.getLogger(__name__)
 
