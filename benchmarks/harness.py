@@ -219,9 +219,7 @@ def bench_main(
     report.setdefault("machine", machine_info())
     report.setdefault("date", datetime.date.today().isoformat())
     report.setdefault("created_unix", time.time())
-    report.setdefault(
-        "command", " ".join(["python -m", _module_of(sys.argv[0]), *(sys.argv[1:] if argv is None else argv)])
-    )
+    report.setdefault("command", " ".join(["python -m", _module_of(run), *(sys.argv[1:] if argv is None else argv)]))
     markdown = to_markdown(report)
     out = args.out or default_out(report["benchmark"], report["machine"])
     write_report(report, markdown, out)
@@ -230,9 +228,10 @@ def bench_main(
     return 0
 
 
-def _module_of(path: str) -> str:
-    p = Path(path)
-    if p.suffix != ".py":
-        return path
-    parts = p.resolve().with_suffix("").parts
-    return ".".join(parts[parts.index("benchmarks") :]) if "benchmarks" in parts else p.stem
+def _module_of(fn: Callable[..., Any]) -> str:
+    """The dotted name of the module ``fn`` is defined in (also when run as ``python -m``)."""
+    name = fn.__module__
+    if name == "__main__":
+        spec = getattr(sys.modules["__main__"], "__spec__", None)
+        name = spec.name if spec is not None else name
+    return name

@@ -71,10 +71,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     payloads: dict[int, int] = {}
     try:
         join = (owner.store.join_url, dep.master, dep.real_client, arena, args.fields)  # type: ignore[attr-defined]
-        writers = [WorkerProcess(ctx, f"writer{j}", *join) for j in range(args.writers)]
-        procs += writers
-        readers = [WorkerProcess(ctx, f"reader{j}", *join) for j in range(args.writers)]
-        procs += readers
+        roles = [f"{role}{j}" for role in ("writer", "reader") for j in range(args.writers)]
+        procs = WorkerProcess.start_all(ctx, roles, *join)
+        writers, readers = procs[: args.writers], procs[args.writers :]
         for size in args.sizes:
             for j, (w, r) in enumerate(zip(writers, readers, strict=True)):  # reader j reads writer j's batch
                 payloads[size] = w.call("batch", size, j)
@@ -90,8 +89,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         t[c]["get"].append(get_s)
                 print(f"{size} MB rep {rep + 1}", file=sys.stderr, flush=True)
     finally:
-        for p in procs:
-            p.stop()
+        WorkerProcess.stop_all(procs)
         owner.close()
     results: dict[str, Any] = {}
     for size, t in times.items():

@@ -10,7 +10,7 @@ a second client, a second put of the batch (new keys) into the same partition (w
 only whether the writer's first put is still there, not for its whole listing), and raw Mooncake's
 ``batch_get_into`` of the same bytes (which lists nothing).
 
-    python -m benchmarks.mooncake_scale                       # 0 / 1k / 10k / 50k objects, writes results
+    python -m benchmarks.mooncake_scale                       # 0 / 1k / 10k / 50k objects, writes a dated report
     python -m benchmarks.mooncake_scale --levels 0,200 --repeat 3 --out /tmp/s
 """
 

@@ -8,7 +8,7 @@ the nested tensors the API takes and returns), and, where available, through the
 (``tq://?backend=mooncake`` and ``tq://?backend=simple``). Every repetition runs every contender
 once, in rotating order, so drift on a shared machine hits them alike; medians after warm-up.
 
-    python -m benchmarks.mooncake_xproc                       # 16 MB and 128 MB, writes results
+    python -m benchmarks.mooncake_xproc                       # 16 MB and 128 MB, writes a dated report
     python -m benchmarks.mooncake_xproc --sizes 16 --repeat 5 --no-tq --out /tmp/x
 """
 
@@ -186,13 +186,36 @@ def _worker(
 
 
 class WorkerProcess:
-    """A spawned process serving commands (``_worker``) over a pipe: one writer or reader."""
+    """A spawned process serving commands (``_worker``) over a pipe: one writer or reader.
 
-    def __init__(self, ctx: Any, role: str, *args: Any) -> None:
+    Start several with :meth:`start_all` and stop them with :meth:`stop_all`: they boot (and close)
+    at the same time, not one after the other."""
+
+    def __init__(self, ctx: Any, role: str, *args: Any, wait: bool = True) -> None:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_worker, args=(role, child, *args), daemon=True, name=f"xproc-{role}")
         self.proc.start()
-        self.pid = self.ask_ready()
+        self.pid = self.ask_ready() if wait else 0
+
+    @classmethod
+    def start_all(cls, ctx: Any, roles: list[str], *args: Any) -> list[WorkerProcess]:
+        """One process per role, all started before any is waited for; stopped again if one fails."""
+        procs = [cls(ctx, role, *args, wait=False) for role in roles]
+        try:
+            for p in procs:
+                p.pid = p.ask_ready()
+        except BaseException:
+            cls.stop_all(procs)
+            raise
+        return procs
+
+    @staticmethod
+    def stop_all(procs: list[WorkerProcess]) -> None:
+        """Ask every process to stop, then wait for each."""
+        for p in procs:
+            p.ask_stop()
+        for p in procs:
+            p.stop()
 
     def ask_ready(self) -> int:
         if not self.conn.poll(180):
@@ -218,11 +241,14 @@ class WorkerProcess:
             raise RuntimeError(f"{what} failed in worker: {value}")
         return value
 
-    def stop(self) -> None:
+    def ask_stop(self) -> None:
         try:
             self.conn.send(("stop",))
         except OSError:
             pass
+
+    def stop(self) -> None:
+        self.ask_stop()  # a second stop is never read: the worker has left its loop
         self.proc.join(timeout=60)
         if self.proc.is_alive():
             self.proc.terminate()
@@ -283,10 +309,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     verified: dict[int, dict[str, bool]] = {}
     payloads: dict[int, int] = {}
     try:
-        writer = WorkerProcess(ctx, "writer", join_url, dep.master, dep.real_client, arena, args.fields)
-        procs.append(writer)
-        reader = WorkerProcess(ctx, "reader", join_url, dep.master, dep.real_client, arena, args.fields)
-        procs.append(reader)
+        procs = WorkerProcess.start_all(
+            ctx, ["writer", "reader"], join_url, dep.master, dep.real_client, arena, args.fields
+        )
+        writer, reader = procs
         for size in args.sizes:
             payloads[size] = writer.call("batch", size, 0)
             reader.call("batch", size, 0)
@@ -341,8 +367,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if tq_owner is not None:
                     tq_owner.close()
     finally:
-        for p in procs:
-            p.stop()
+        WorkerProcess.stop_all(procs)
         owner.close()
     results: dict[str, Any] = {}
     for phase, per_size in times.items():

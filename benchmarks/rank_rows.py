@@ -9,7 +9,7 @@ subset (the rank cycles between repetitions), for several row counts at one batc
 is checked bit-exact against the batch once. ``mooncake://`` reads through a second client that
 joined the first one's deployment.
 
-    python -m benchmarks.rank_rows                      # memory, mooncake over shm and TCP; writes results
+    python -m benchmarks.rank_rows                      # memory, mooncake over shm and TCP; a dated report
     python -m benchmarks.rank_rows --backends memory:// --rows 256 --repeat 3 --out /tmp/r
 """
 
