@@ -23,14 +23,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _mooncake(url: str) -> Any:
-    """``url`` as a parameter that needs Mooncake (marked, and skipped with the reason where absent)."""
-    missing = importlib.util.find_spec("mooncake") is None
-    return pytest.param(
-        url, marks=[pytest.mark.mooncake, pytest.mark.skipif(missing, reason="Mooncake is not installed")]
-    )
-
-
 def test_readme_example_runs() -> None:
     text = (ROOT / "README.md").read_text()
     block = re.search(r"```python\n(import torch, dataplane.*?)```", text, re.S)
@@ -56,12 +48,10 @@ def _report(module: str, tmp_path: Path, *args: str) -> tuple[dict[str, Any], st
     assert importlib.import_module(f"benchmarks.{module}").main([*args, "--out", str(out)]) == 0
     report = json.loads(out.with_suffix(".json").read_text())
     assert report["benchmark"].startswith(module)
-    assert report["machine"]["cpu_count"] == os.cpu_count() and {"python", "torch", "dataplane"} <= set(
-        report["machine"]
-    )
-    assert re.fullmatch(r"\d{4}-\d\d-\d\d", report["date"]) and report["command"].startswith(
-        f"python -m benchmarks.{module}"
-    )
+    machine = report["machine"]
+    assert machine["cpu_count"] == os.cpu_count() and {"python", "torch", "dataplane"} <= set(machine)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d", report["date"])
+    assert report["command"].startswith(f"python -m benchmarks.{module} ")
     return report, out.with_suffix(".md").read_text()
 
 
