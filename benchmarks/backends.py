@@ -1,18 +1,49 @@
-"""Backends beyond memory for ``benchmarks.put_get``; each adapter's module adds its own entries."""
+"""The backends ``benchmarks.put_get`` measures: how to open each, and its raw API as the baseline."""
 
 from __future__ import annotations
 
-from benchmarks.base import BenchBackend
+import importlib
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
-BACKENDS: list[BenchBackend] = []
+from benchmarks.workload import Batch
 
-try:
-    from benchmarks.backends_tq import BACKENDS as _TQ
-except ImportError:  # module not there: adapter not built in this checkout
-    _TQ = []
-try:
-    from benchmarks.backends_mooncake import BACKENDS as _MOONCAKE
-except ImportError:
-    _MOONCAKE = []
+__all__ = ["BenchBackend", "all_backends"]
 
-BACKENDS += _MOONCAKE + _TQ  # the direct path first: its teardown overlaps TransferQueue's start-up
+
+@dataclass
+class BenchBackend:
+    """One backend in the benchmark: how to open a client, and optionally its raw API.
+
+    ``raw`` receives the batch, the repeat count and the benchmark's client of this backend, and
+    returns (put seconds, get seconds) lists measured through the backend's own API, without
+    dataplane in between (against the same deployment as the client, where that applies).
+    """
+
+    name: str
+    url: str
+    requires: tuple[str, ...] = ()
+    options: dict[str, Any] = field(default_factory=dict)
+    raw: Callable[[Batch, int, Any], tuple[list[float], list[float]]] | None = None
+    # URL and options another process uses to reach the store this client is attached to; None: the
+    # backend is in-process only, so --readers does not apply.
+    reader_url: Callable[[Any], tuple[str, dict[str, Any]]] | None = None
+    # run before the benchmark closes its client (e.g. to close raw clients of the same deployment)
+    before_close: Callable[[], None] | None = None
+    # starts services the backend will use, early and on a thread (they mostly wait while they boot);
+    # returns extra connect options and a cleanup run after the client is closed
+    prepare: Callable[[], tuple[dict[str, Any], Callable[[], None]]] | None = None
+
+    def missing(self) -> list[str]:
+        return [m for m in self.requires if importlib.util.find_spec(m) is None]
+
+
+def all_backends() -> list[BenchBackend]:
+    """Every backend, in the order measured: memory, then the direct Mooncake path (its teardown
+    overlaps TransferQueue's start-up), then TransferQueue."""
+    out = [BenchBackend(name="memory", url="memory://")]
+    for module in ("benchmarks.backends_mooncake", "benchmarks.backends_tq"):
+        out += importlib.import_module(module).BACKENDS
+    return out

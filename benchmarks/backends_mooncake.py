@@ -15,14 +15,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.base import BenchBackend
+from benchmarks.backends import BenchBackend
 from benchmarks.workload import Batch
-from dataplane.codec.jagged import round_up
 
-__all__ = ["BACKENDS", "FieldSpec", "RawMooncake", "field_buffers", "field_specs", "real_client_of"]
+__all__ = ["BACKENDS", "FieldSpec", "RawMooncake", "deployment_of", "field_buffers", "field_specs"]
 
 SEGMENT_BYTES = 4 << 30
 PAGE = 4096  # ours and the raw ceiling's objects share the one store server
+
+
+def round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
 
 
 FieldSpec = tuple[str, torch.dtype, tuple[int, ...], torch.Tensor | None]  # name, dtype, inner shape, offsets
@@ -54,10 +57,10 @@ class RawMooncake:
     its arenas are shared memory from ``alloc_from_mem_pool``; otherwise it is a plain TCP client.
 
     ``page_aligned`` (default): every object starts on a page in its arena and is padded to whole
-    pages, as the adapter pads its objects over shared memory (``dataplane.adapters.mooncake._index.OBJECT_ALIGN``). A store
-    server that streams its copies (``dataplane.adapters.mooncake._servers.STREAMING_COPY_TUNABLE``) copied 2-5x slower
-    where an object's bytes lay 1-700 bytes past a page boundary relative to the other side, so
-    back-to-back objects of odd sizes would slow raw down by chance; padded, raw is the ceiling.
+    pages, as the adapter pads its objects over shared memory. A store server that streams its copies
+    (as ``mooncake://local`` starts it) copies 2-5x slower where an object's bytes lie 1-700 bytes
+    past a page boundary relative to the other side, so back-to-back objects of odd sizes would slow
+    raw down by chance; padded, raw is the ceiling.
     """
 
     def __init__(
@@ -65,7 +68,7 @@ class RawMooncake:
     ) -> None:
         from dataplane.adapters.mooncake import apply_client_env_defaults
 
-        apply_client_env_defaults()
+        apply_client_env_defaults()  # the environment the adapter's own clients get
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
         self.store: Any = MooncakeDistributedStore()
@@ -252,10 +255,13 @@ def _raw_client(master: str, nbytes: int, real_client: str | None) -> RawMooncak
     return raw
 
 
-def real_client_of(store: Any) -> str | None:
-    """The real client a ``mooncake://`` client moves data through (None: it uses TCP)."""
-    handle = store.handle
-    return None if handle.shm is None else handle.real_client
+def deployment_of(client: Any) -> Any:
+    """The :class:`~dataplane.adapters.mooncake.MooncakeConfig` of the deployment a ``mooncake://``
+    client is part of, from the URL other processes join it by (``client.store.join_url``): its
+    ``master``, ``metrics_port`` and ``real_client`` (None: clients reach the store over TCP)."""
+    from dataplane.adapters.mooncake import MooncakeConfig
+
+    return MooncakeConfig.from_url(client.store.join_url)
 
 
 def close_raw_clients() -> None:
@@ -268,7 +274,8 @@ def raw_seconds(batch: Batch, repeat: int, client: Any) -> tuple[list[float], li
     """Raw Mooncake against the benchmark client's own master and store server."""
     buffers = field_buffers(batch)
     total = sum(b.numel() for _, b in buffers)
-    raw = _raw_client(client.store.master_address, total, real_client_of(client.store))
+    dep = deployment_of(client)
+    raw = _raw_client(dep.master, total, dep.real_client)
     raw.load(buffers)
     puts, gets = [], []
     for i in range(repeat + 1):

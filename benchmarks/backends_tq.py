@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.base import BenchBackend
+from benchmarks.backends import BenchBackend
 from benchmarks.workload import Batch
 
 __all__ = ["BACKENDS"]

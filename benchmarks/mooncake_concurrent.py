@@ -22,18 +22,16 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from benchmarks.mooncake_xproc import TIMEOUT_S, _Proc, machine_line, median_ci95
-from benchmarks.workload import bench_main
+from benchmarks.harness import add_out_argument, bench_main, machine_info, machine_line, paired
+from benchmarks.mooncake_xproc import DECODE_THREAD_ENV, TIMEOUT_S, WorkerProcess
 
 MB = 1 << 20
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _round(
-    writers: list[_Proc], readers: list[_Proc], c: str, size: int, n: int, tag: str, verify: bool
+    writers: list[WorkerProcess], readers: list[WorkerProcess], c: str, size: int, n: int, tag: str, verify: bool
 ) -> tuple[float, float, bool]:
     """One put phase (every writer at once) and one get phase (every reader at once): wall seconds
     of each, and whether what was read is bit-exact."""
@@ -58,27 +56,24 @@ def _round(
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import dataplane
-    from benchmarks.backends_mooncake import real_client_of
-    from benchmarks.mooncake_xproc import _decode_beside
-    from benchmarks.put_get import machine_info
+    from benchmarks.backends_mooncake import deployment_of
 
-    load_before = os.getloadavg()
+    machine = machine_info()
     owner = dataplane.connect(
         f"mooncake://local?segment_bytes={args.segment_gib}GiB&shm={args.shm}", timeout_s=TIMEOUT_S
     )
-    store = owner.store  # type: ignore[attr-defined]
+    dep = deployment_of(owner)
     ctx = mp.get_context("spawn")
     arena = max(args.sizes) * MB * 2
-    procs: list[_Proc] = []
+    procs: list[WorkerProcess] = []
     times: dict[int, dict[str, dict[str, list[float]]]] = {}
     exact: dict[int, dict[str, bool]] = {}
     payloads: dict[int, int] = {}
     try:
-        join = (store.join_url, store.master_address, real_client_of(store), arena, args.fields)
-        writers = [_Proc(ctx, f"writer{j}", *join) for j in range(args.writers)]
-        procs += writers
-        readers = [_Proc(ctx, f"reader{j}", *join) for j in range(args.writers)]
-        procs += readers
+        join = (owner.store.join_url, dep.master, dep.real_client, arena, args.fields)  # type: ignore[attr-defined]
+        roles = [f"{role}{j}" for role in ("writer", "reader") for j in range(args.writers)]
+        procs = WorkerProcess.start_all(ctx, roles, *join)
+        writers, readers = procs[: args.writers], procs[args.writers :]
         for size in args.sizes:
             for j, (w, r) in enumerate(zip(writers, readers, strict=True)):  # reader j reads writer j's batch
                 payloads[size] = w.call("batch", size, j)
@@ -94,8 +89,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         t[c]["get"].append(get_s)
                 print(f"{size} MB rep {rep + 1}", file=sys.stderr, flush=True)
     finally:
-        for p in procs:
-            p.stop()
+        WorkerProcess.stop_all(procs)
         owner.close()
     results: dict[str, Any] = {}
     for size, t in times.items():
@@ -107,18 +101,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for op, xs in v.items()
             }
         for op in ("put", "get"):
-            pairs = [r / o for o, r in zip(t["ours"][op], t["raw"][op], strict=True)]
-            low, high = median_ci95(pairs)
-            cell[f"{op}_ours_vs_raw_paired"] = {
-                "median": statistics.median(pairs),
-                "low": low,
-                "high": high,
-                "n": len(pairs),
-            }
+            cell[f"{op}_ours_vs_raw_paired"] = paired(t["raw"][op], t["ours"][op])
         results[f"{size}MB"] = cell
     return {
         "schema_version": 1,
-        "benchmark": "mooncake_concurrent",
+        "benchmark": "mooncake_concurrent"
+        + ("" if args.writers == 2 else f"_{args.writers}w")
+        + ("" if args.shm else "_tcp"),
         "created_unix": time.time(),
         "config": {
             "sizes_mb": args.sizes,
@@ -130,9 +119,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "warmup": args.warmup,
             "segment_gib": args.segment_gib,
             "transport": "shared memory (real client)" if args.shm else "loopback TCP",
-            "decode_thread": _decode_beside(),
+            "decode_thread_env": os.environ.get(DECODE_THREAD_ENV),
         },
-        "machine": {**machine_info(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+        "machine": {**machine, "loadavg_after": os.getloadavg()},
         "results": results,
     }
 
@@ -148,7 +137,7 @@ def to_markdown(report: dict[str, Any]) -> str:
         "to back, all writers at once, then each reader gets one writer's batches back the same way. Aggregate "
         "GB/s = all bytes / wall time from the first command to the last answer; medians of "
         f"{cfg['repeat']} after {cfg['warmup']} warm-up, ours and raw alternating. Transport: {cfg['transport']}. "
-        f"Decode beside the transfer (`$DATAPLANE_DECODE_THREAD`): {'on' if cfg['decode_thread'] else 'off'}.",
+        f"`$DATAPLANE_DECODE_THREAD`: {cfg.get('decode_thread_env') or 'unset (the default)'}.",
         "",
         "| size | contender | put GB/s | get GB/s | bit-exact |",
         "| --- | --- | --- | --- | --- |",
@@ -181,7 +170,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--tcp", dest="shm", action="store_false", help="mooncake://local?shm=false: clients reach the store over TCP"
     )
-    p.add_argument("--out", default=str(RESULTS / "mooncake_concurrent"), help="path without extension (.json, .md)")
+    add_out_argument(p)
     args = p.parse_args(argv)
     need = args.writers * args.ops * max(args.sizes) * MB
     if need > args.segment_gib * (1 << 30) * 0.8:

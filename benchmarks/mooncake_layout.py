@@ -31,15 +31,13 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from benchmarks.mooncake_xproc import machine_line
+from benchmarks.harness import add_out_argument, bench_main, machine_info, machine_line
 
 MB = 1 << 20
-RESULTS = Path(__file__).resolve().parent / "results"
 LAYOUTS = ("row_field", "field", "field_index", "put")
 INDEX_BYTES = 5 << 10  # the adapter's index object for 256 rows of 8 fields is about this size
 TRANSPORTS = {"shm": "", "tcp": "&shm=false"}
@@ -215,17 +213,16 @@ def _measure(
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import dataplane
-    from benchmarks.backends_mooncake import RawMooncake, field_buffers, real_client_of
-    from benchmarks.put_get import machine_info
+    from benchmarks.backends_mooncake import RawMooncake, deployment_of, field_buffers
     from benchmarks.workload import make_batch
 
-    load_before = os.getloadavg()
+    machine = machine_info()
     results: dict[str, Any] = {}
     rows_of: dict[str, int] = {}
     objects_of: dict[str, dict[str, int]] = {}
     for transport in args.transports:
         owner = dataplane.connect(f"mooncake://local?segment_bytes={args.segment_mib}MiB{TRANSPORTS[transport]}")
-        store: Any = owner.store  # type: ignore[attr-defined]
+        dep = deployment_of(owner)
         try:
             for size in args.sizes:
                 batch = make_batch(size * MB, args.fields, seed=0)
@@ -233,7 +230,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 nbytes = sum(b.numel() for _, b in bufs)
                 # source: the batch, then index bytes; destination: the same, then a staging area
                 raw = RawMooncake(  # its layouts place every byte themselves
-                    store.master_address, 2 * nbytes + INDEX_BYTES, real_client_of(store), page_aligned=False
+                    dep.master, 2 * nbytes + INDEX_BYTES, dep.real_client, page_aligned=False
                 )
                 try:
                     raw.load(bufs)
@@ -280,7 +277,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "warmup": args.warmup,
             "index_bytes": INDEX_BYTES,
         },
-        "machine": {**machine_info(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+        "machine": {**machine, "loadavg_after": os.getloadavg()},
         "results": results,
     }
 
@@ -332,7 +329,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=15)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--segment-mib", type=int, default=1024)
-    p.add_argument("--out", default=str(RESULTS / "mooncake_layout"), help="path without extension (.json, .md)")
+    add_out_argument(p)
     args = p.parse_args(argv)
     bad = [t for t in args.transports if t not in TRANSPORTS]
     if bad:
@@ -343,8 +340,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.workload import bench_main
-
     return bench_main(argv, parse_args, run, to_markdown)
 
 

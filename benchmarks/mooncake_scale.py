@@ -10,7 +10,7 @@ a second client, a second put of the batch (new keys) into the same partition (w
 only whether the writer's first put is still there, not for its whole listing), and raw Mooncake's
 ``batch_get_into`` of the same bytes (which lists nothing).
 
-    python -m benchmarks.mooncake_scale                       # 0 / 1k / 10k / 50k objects, writes results
+    python -m benchmarks.mooncake_scale                       # 0 / 1k / 10k / 50k objects, writes a dated report
     python -m benchmarks.mooncake_scale --levels 0,200 --repeat 3 --out /tmp/s
 """
 
@@ -21,11 +21,11 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import add_out_argument, bench_main, machine_info, machine_line
+
 MB = 1 << 20
-RESULTS = Path(__file__).resolve().parent / "results"
 FILLER_BYTES = 64
 
 
@@ -41,18 +41,17 @@ def _fill(raw: Any, have: int, target: int) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import dataplane
-    from benchmarks.backends_mooncake import RawMooncake, field_buffers, real_client_of
-    from benchmarks.put_get import machine_info
+    from benchmarks.backends_mooncake import RawMooncake, deployment_of, field_buffers
     from benchmarks.workload import make_batch, same_fields
     from dataplane.adapters.mooncake import AdminClient
 
+    machine = machine_info()
     batch = make_batch(args.size_mb * MB, args.fields, seed=0)
     writer = dataplane.connect(f"mooncake://local?segment_bytes={args.segment_mib}MiB")
     reader = dataplane.connect(writer.store.join_url)  # type: ignore[attr-defined]
-    store: Any = writer.store
-    raw = RawMooncake(store.master_address, 2 * args.size_mb * MB + FILLER_BYTES, real_client_of(store))
-    host, port = store.admin.host, store.admin.port
-    admin = AdminClient(host, port)
+    dep = deployment_of(writer)
+    raw = RawMooncake(dep.master, 2 * args.size_mb * MB + FILLER_BYTES, dep.real_client)
+    admin = AdminClient(dep.master.rpartition(":")[0], dep.metrics_port)  # the master's admin port
     try:
         bufs = field_buffers(batch)
         raw.load(bufs)
@@ -110,7 +109,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "warmup": args.warmup,
                 "filler_bytes": FILLER_BYTES,
             },
-            "machine": {**machine_info(), "loadavg_after": os.getloadavg()},
+            "machine": {**machine, "loadavg_after": os.getloadavg()},
             "results": results,
         }
     finally:
@@ -126,8 +125,7 @@ def to_markdown(report: dict[str, Any]) -> str:
     lines = [
         "# mooncake:// put and get vs the number of objects the master holds",
         "",
-        f"Machine: {m.get('cpu_count')} CPUs, {m.get('mem_total_gib')} GiB, {m.get('platform')}, torch {m.get('torch')}, "
-        f"mooncake {m.get('mooncake-transfer-engine-non-cuda', '?')}.",
+        machine_line(m),
         f"Batch: `make_batch({c['size_mb']} MB, {c['fields']} fields)`, {c['rows']} rows; one process, two clients "
         f"(writer, reader by meta) over shared memory; medians of {c['repeat']} after {c['warmup']} warm-up. "
         f"Other objects: {c['filler_bytes']}-byte objects under a foreign prefix, as another job or a KV cache "
@@ -155,7 +153,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--segment-mib", type=int, default=1024)
-    p.add_argument("--out", default=str(RESULTS / "mooncake_scale"), help="path without extension (.json, .md)")
+    add_out_argument(p)
     args = p.parse_args(argv)
     if args.levels != sorted(args.levels) or min(args.levels) < 0:
         p.error("--levels must be non-negative and ascending (objects are added, never removed, between levels)")
@@ -163,8 +161,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.workload import bench_main
-
     return bench_main(argv, parse_args, run, to_markdown)
 
 

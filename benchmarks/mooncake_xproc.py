@@ -8,26 +8,27 @@ the nested tensors the API takes and returns), and, where available, through the
 (``tq://?backend=mooncake`` and ``tq://?backend=simple``). Every repetition runs every contender
 once, in rotating order, so drift on a shared machine hits them alike; medians after warm-up.
 
-    python -m benchmarks.mooncake_xproc                       # 16 MB and 128 MB, writes results
+    python -m benchmarks.mooncake_xproc                       # 16 MB and 128 MB, writes a dated report
     python -m benchmarks.mooncake_xproc --sizes 16 --repeat 5 --no-tq --out /tmp/x
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import importlib.util
 import multiprocessing as mp
 import os
 import statistics
 import sys
 import time
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import add_out_argument, bench_main, machine_info, machine_line, median_ci95, stats
+
 MB = 1 << 20
-RESULTS = Path(__file__).resolve().parent / "results"
 TIMEOUT_S = 600.0
+DECODE_THREAD_ENV = "DATAPLANE_DECODE_THREAD"  # documented in dataplane.adapters.mooncake
 
 
 def _worker(
@@ -38,7 +39,6 @@ def _worker(
     import dataplane
     from benchmarks.backends_mooncake import RawMooncake, field_buffers, field_specs
     from benchmarks.workload import in_client_memory, make_batch, same_fields
-    from dataplane.storage import PendingGet, PendingPut
 
     try:
         client = dataplane.connect(join_url, timeout_s=TIMEOUT_S)
@@ -49,59 +49,8 @@ def _worker(
     others: dict[str, Any] = {}
     batches: dict[int, Any] = {}
     in_memory: dict[int, Any] = {}  # the same batches built in client.empty memory (sent with no copy)
-    inner: dict[str, float] = {}  # seconds of the last adapter-level (KVStore) put / get
     njt_keys: dict[str, list[str]] = {}  # tag -> the objects of a raw_njt put (values and offsets)
 
-    store = client.store  # type: ignore[attr-defined]
-    begin_put, begin_get = store.begin_put, store.begin_get
-
-    class TimedGet(PendingGet):
-        """The adapter's share of a get: starting it, ``plan`` where it ran on the calling thread (not
-        beside the transfer), and ``finish`` (the client decodes in between, or beside)."""
-
-        def __init__(self, pending: PendingGet, spent: float) -> None:
-            self.pending, self.spent = pending, [spent]
-            self.overlaps = pending.overlaps
-
-        def plan(self, *, beside: bool) -> Any:
-            t1 = time.perf_counter()
-            try:
-                return self.pending.plan(beside=beside)
-            finally:
-                if not beside:
-                    self.spent.append(time.perf_counter() - t1)
-
-        def finish(self) -> Any:
-            t1 = time.perf_counter()
-            try:
-                return self.pending.finish()
-            finally:
-                inner["get"] = sum(self.spent) + time.perf_counter() - t1
-
-    class TimedPut(PendingPut):
-        """The adapter's share of a put: starting it, and the rest once the client has checked it."""
-
-        def __init__(self, pending: PendingPut, spent: float) -> None:
-            self.pending, self.spent = pending, spent
-
-        def write(self, *a: Any) -> Any:
-            t1 = time.perf_counter()
-            try:
-                return self.pending.write(*a)
-            finally:
-                inner["put"] = self.spent + time.perf_counter() - t1
-
-    def timed_begin_put(*a: Any, **k: Any) -> PendingPut:
-        t0 = time.perf_counter()
-        pending = begin_put(*a, **k)
-        return TimedPut(pending, time.perf_counter() - t0)
-
-    def timed_begin_get(*a: Any, **k: Any) -> PendingGet:
-        t0 = time.perf_counter()
-        pending = begin_get(*a, **k)
-        return TimedGet(pending, time.perf_counter() - t0)
-
-    store.begin_put, store.begin_get = timed_begin_put, timed_begin_get
     conn.send(("ready", os.getpid()))
     try:
         while True:
@@ -120,7 +69,7 @@ def _worker(
                     b = (in_memory if zero_copy else batches)[size]
                     t0 = time.perf_counter()
                     meta = c.kv_batch_put(b.keys, b.fields, partition_id=pid)
-                    out = (time.perf_counter() - t0, meta, inner.get("put") if url is None else None)
+                    out = (time.perf_counter() - t0, meta)
                 elif cmd == "get":
                     size, meta, url, verify = args
                     c = client if url is None else others[url]
@@ -129,7 +78,7 @@ def _worker(
                     dt = time.perf_counter() - t0
                     ok = not verify or same_fields(td, batches[size].fields)
                     del td
-                    out = (dt, ok, inner.get("get") if url is None else None)
+                    out = (dt, ok)
                 elif cmd == "clear":
                     pid, url = args
                     (client if url is None else others[url]).kv_clear(partition_id=pid)
@@ -236,12 +185,37 @@ def _worker(
         client.close()
 
 
-class _Proc:
-    def __init__(self, ctx: Any, role: str, *args: Any) -> None:
+class WorkerProcess:
+    """A spawned process serving commands (``_worker``) over a pipe: one writer or reader.
+
+    Start several with :meth:`start_all` and stop them with :meth:`stop_all`: they boot (and close)
+    at the same time, not one after the other."""
+
+    def __init__(self, ctx: Any, role: str, *args: Any, wait: bool = True) -> None:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_worker, args=(role, child, *args), daemon=True, name=f"xproc-{role}")
         self.proc.start()
-        self.pid = self.ask_ready()
+        self.pid = self.ask_ready() if wait else 0
+
+    @classmethod
+    def start_all(cls, ctx: Any, roles: list[str], *args: Any) -> list[WorkerProcess]:
+        """One process per role, all started before any is waited for; stopped again if one fails."""
+        procs = [cls(ctx, role, *args, wait=False) for role in roles]
+        try:
+            for p in procs:
+                p.pid = p.ask_ready()
+        except BaseException:
+            cls.stop_all(procs)
+            raise
+        return procs
+
+    @staticmethod
+    def stop_all(procs: list[WorkerProcess]) -> None:
+        """Ask every process to stop, then wait for each."""
+        for p in procs:
+            p.ask_stop()
+        for p in procs:
+            p.stop()
 
     def ask_ready(self) -> int:
         if not self.conn.poll(180):
@@ -267,11 +241,14 @@ class _Proc:
             raise RuntimeError(f"{what} failed in worker: {value}")
         return value
 
-    def stop(self) -> None:
+    def ask_stop(self) -> None:
         try:
             self.conn.send(("stop",))
         except OSError:
             pass
+
+    def stop(self) -> None:
+        self.ask_stop()  # a second stop is never read: the worker has left its loop
         self.proc.join(timeout=60)
         if self.proc.is_alive():
             self.proc.terminate()
@@ -282,102 +259,60 @@ def _tq_phases(enabled: bool) -> tuple[list[str | None], str]:
     """TransferQueue backends to measure (one per phase: TQ runs one deployment per Ray cluster)."""
     if not enabled:
         return [None], "TransferQueue skipped (--no-tq)"
-    adapter = Path(__file__).resolve().parents[1] / "dataplane" / "adapters" / "transfer_queue.py"
-    if not adapter.exists():
-        return [None], "TransferQueue adapter not present in this checkout (dataplane/adapters/transfer_queue.py)"
+    missing = [m for m in ("transfer_queue", "ray") if importlib.util.find_spec(m) is None]
+    if missing:
+        return [None], f"TransferQueue skipped: not installed ({', '.join(missing)})"
     return [None, "mooncake", "simple"], ""
 
 
-def median_ci95(xs: list[float]) -> tuple[float, float]:
-    """Distribution-free 95% confidence interval of the median of ``xs``: the order statistics
-    ``s[j]``, ``s[n-1-j]`` with the largest ``j`` whose binomial(n, 1/2) tail P(X <= j) is at most
-    2.5%. Below 6 samples no pair reaches 95%: the full range is returned."""
-    s = sorted(xs)
-    n = len(s)
-    if not n:
-        raise ValueError("no samples")
-    j, cdf = -1, 0.0
-    while True:
-        nxt = cdf + math.comb(n, j + 1) / 2**n  # P(X <= j + 1)
-        if nxt > 0.025:
-            break
-        cdf, j = nxt, j + 1
-    return (s[0], s[-1]) if j < 0 else (s[j], s[n - 1 - j])
-
-
-def _stats(xs: list[float]) -> dict[str, float]:
-    return {"median_s": statistics.median(xs), "min_s": min(xs), "max_s": max(xs), "n": len(xs)}
-
-
 def _rep(
-    writer: _Proc, reader: _Proc, c: str, size: int, tag: str, verify: bool, tq_url: str | None
-) -> tuple[float, float, bool, float | None, float | None]:
-    """One put by the writer and one get by the reader: (put s, get s, bit-exact, adapter put s, adapter get s);
-    for raw, the fourth is the put plus copying the batch into its registered buffer first."""
+    writer: WorkerProcess, reader: WorkerProcess, c: str, size: int, tag: str, verify: bool, tq_url: str | None
+) -> tuple[float, float, bool, float | None]:
+    """One put by the writer and one get by the reader: (put s, get s, bit-exact, raw's put plus
+    copying the batch into its registered buffer first, or None)."""
     if c == "raw":
         tag += "-verify" if verify else ""
         tp, tp_copied = writer.call("raw_put", size, tag)
         res = reader.call("raw_get", size, tag)
         tg, ok = res if verify else (res, True)
         writer.call("raw_clear", size, tag)
-        return tp, tg, ok, tp_copied, None
+        return tp, tg, ok, tp_copied
     if c == "raw_njt":
         tag += "-njt"
         tp = writer.call("raw_njt_put", size, tag)
         tg, ok = reader.call("raw_tensors", size, tag, verify)
         writer.call("raw_clear", size, tag)
-        return tp, tg, ok, None, None
+        return tp, tg, ok, None
     url = None if c in ("ours", "ours_zc") else tq_url
     pid = f"x-{c}-{tag}"
-    tp, meta, tp_in = writer.call("put", size, pid, url, c == "ours_zc")
-    tg, ok, tg_in = reader.call("get", size, meta, url, verify)
+    tp, meta = writer.call("put", size, pid, url, c == "ours_zc")
+    tg, ok = reader.call("get", size, meta, url, verify)
     writer.call("clear", pid, url)
-    return tp, tg, ok, tp_in, tg_in
-
-
-def core_codec_seconds(size_mb: int, n_fields: int, repeat: int = 15) -> dict[str, float]:
-    """Median seconds of the core's encode_fields / decode_columns on the batch (in every put / get of
-    every adapter, and in no raw figure): the part of ours/raw no adapter can remove."""
-    from benchmarks.workload import make_batch
-    from dataplane.codec.wire import decode_columns, encode_fields
-
-    b = make_batch(size_mb * MB, n_fields, seed=0)
-    enc, dec = [], []
-    for _ in range(repeat + 2):
-        t0 = time.perf_counter()
-        cols = encode_fields(b.fields, len(b.keys))
-        t1 = time.perf_counter()
-        td = decode_columns(cols, len(b.keys))
-        t2 = time.perf_counter()
-        del td
-        enc.append(t1 - t0)
-        dec.append(t2 - t1)
-    return {"encode_s": statistics.median(enc[2:]), "decode_s": statistics.median(dec[2:])}
+    return tp, tg, ok, None
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import dataplane
-    from benchmarks.backends_mooncake import real_client_of
-    from benchmarks.put_get import machine_info
+    from benchmarks.backends_mooncake import deployment_of
 
-    load_before = os.getloadavg()
+    machine = machine_info()
     arena = max(args.sizes) * MB * 2
     owner = dataplane.connect(
         f"mooncake://local?segment_bytes={args.segment_gib}GiB&shm={args.shm}", timeout_s=TIMEOUT_S
     )
     ctx = mp.get_context("spawn")
-    store = owner.store  # type: ignore[attr-defined]
-    real_client = real_client_of(store)
-    procs: list[_Proc] = []
+    join_url = owner.store.join_url  # type: ignore[attr-defined]
+    dep = deployment_of(owner)
+    procs: list[WorkerProcess] = []
     notes: list[str] = []
     times: dict[str, dict[int, dict[str, dict[str, list[float]]]]] = {}  # phase -> size -> contender
     verified: dict[int, dict[str, bool]] = {}
     payloads: dict[int, int] = {}
     try:
-        writer = _Proc(ctx, "writer", store.join_url, store.master_address, real_client, arena, args.fields)
-        procs.append(writer)
-        reader = _Proc(ctx, "reader", store.join_url, store.master_address, real_client, arena, args.fields)
-        procs.append(reader)
+        procs = WorkerProcess.start_all(
+            ctx, ["writer", "reader"], join_url, dep.master, dep.real_client, arena, args.fields
+        )
+        writer, reader = procs
         for size in args.sizes:
             payloads[size] = writer.call("batch", size, 0)
             reader.call("batch", size, 0)
@@ -408,24 +343,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 contenders = ["ours", "ours_zc", "raw", "raw_njt"] + ([name] if name else [])
                 for size in args.sizes:
                     t = times.setdefault(tq_backend or "no-tq", {}).setdefault(size, {})
-                    for c in [*contenders, "ours_adapter", "raw_copied"]:
+                    for c in [*contenders, "raw_copied"]:
                         t.setdefault(c, {"put": [], "get": []})
                     for rep in range(args.warmup + args.repeat):
                         order = contenders[rep % len(contenders) :] + contenders[: rep % len(contenders)]
                         for c in order:
                             verify = rep == 0
                             tag = f"s{size}-{tq_backend}-r{rep}"
-                            tp, tg, ok, tp_in, tg_in = _rep(writer, reader, c, size, tag, verify, tq_url)
+                            tp, tg, ok, tp_copied = _rep(writer, reader, c, size, tag, verify, tq_url)
                             if verify:
                                 verified.setdefault(size, {})[c] = ok
                             if rep >= args.warmup:
                                 t[c]["put"].append(tp)
                                 t[c]["get"].append(tg)
-                                if c == "ours" and tp_in is not None and tg_in is not None:
-                                    t["ours_adapter"]["put"].append(tp_in)
-                                    t["ours_adapter"]["get"].append(tg_in)
-                                if c == "raw" and tp_in is not None:
-                                    t["raw_copied"]["put"].append(tp_in)
+                                if c == "raw" and tp_copied is not None:
+                                    t["raw_copied"]["put"].append(tp_copied)
                                     t["raw_copied"]["get"].append(tg)
                         print(f"[{tq_backend}] {size} MB rep {rep + 1}", file=sys.stderr, flush=True)
             finally:
@@ -435,8 +367,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if tq_owner is not None:
                     tq_owner.close()
     finally:
-        for p in procs:
-            p.stop()
+        WorkerProcess.stop_all(procs)
         owner.close()
     results: dict[str, Any] = {}
     for phase, per_size in times.items():
@@ -445,7 +376,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             cell: dict[str, Any] = {"payload_bytes": payload}
             for c, v in t.items():
                 if v["put"]:
-                    put, get = _stats(v["put"]), _stats(v["get"])
+                    put, get = stats(v["put"]), stats(v["get"])
                     cell[c] = {
                         "put": put,
                         "get": get,
@@ -453,15 +384,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         "get_gbps": payload / get["median_s"] / 1e9,
                     }
             results.setdefault(f"{size}MB", {"bit_exact": verified.get(size, {})})[phase] = cell
-    for size in args.sizes:
-        results[f"{size}MB"]["core_codec"] = core_codec_seconds(size, args.fields)
     for cells in results.values():
         base = cells.get("no-tq", {})
         ratios: dict[str, float] = {}
         if "ours" in base and "raw" in base:
             for op in ("put", "get"):
                 ratios[f"{op}_ours_vs_raw"] = base["ours"][f"{op}_gbps"] / base["raw"][f"{op}_gbps"]
-                ratios[f"{op}_adapter_vs_raw"] = base["ours_adapter"][f"{op}_gbps"] / base["raw"][f"{op}_gbps"]
             if "raw_copied" in base:
                 ratios["put_ours_vs_raw_copied"] = base["ours"]["put_gbps"] / base["raw_copied"]["put_gbps"]
             if "ours_zc" in base:
@@ -501,7 +429,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cells["ratios"] = ratios
     return {
         "schema_version": 1,
-        "benchmark": "mooncake_xproc",
+        "benchmark": "mooncake_xproc" if args.shm else "mooncake_xproc_tcp",
         "created_unix": time.time(),
         "config": {
             "sizes_mb": args.sizes,
@@ -512,32 +440,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "transport": "shared memory (real client)" if args.shm else "loopback TCP",
             "rows": "64 below 8 MB, else 256 (make_batch)",
             "phases": [p or "no-tq" for p in phases],
-            "decode_thread": _decode_beside(),  # the reader's gets decode beside their transfer
+            "decode_thread_env": os.environ.get(DECODE_THREAD_ENV),  # unset: the adapter's default
         },
-        "machine": {**machine_info(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+        "machine": {**machine, "loadavg_after": os.getloadavg()},
         "targets": {"put_ours_zc_vs_raw": ">= 0.9", "get_ours_vs_raw": ">= 0.9", "get_ours_vs_tq": ">= 1.5"},
         "notes": notes,
         "results": results,
     }
-
-
-def _decode_beside() -> bool:
-    from dataplane.store_client import decode_beside
-
-    return decode_beside()
-
-
-def _on_off(flag: bool | None) -> str:
-    return "not recorded" if flag is None else ("on" if flag else "off")
-
-
-def machine_line(m: dict[str, Any]) -> str:
-    """The "Machine: ..." line of a report's markdown, from its ``machine`` dict."""
-    return (
-        f"Machine: {m.get('cpu_count')} CPUs, {m.get('mem_total_gib')} GiB, {m.get('platform')}, torch {m.get('torch')}, "
-        f"mooncake {m.get('mooncake-transfer-engine-non-cuda', '?')}; load average before "
-        f"{', '.join(f'{x:.2f}' for x in m['loadavg_before'])}, after {', '.join(f'{x:.2f}' for x in m['loadavg_after'])}."
-    )
 
 
 def to_markdown(report: dict[str, Any]) -> str:
@@ -549,8 +458,8 @@ def to_markdown(report: dict[str, Any]) -> str:
         f"Batches: `make_batch(size, {report['config']['fields']} fields)` (jagged token fields + a [B] reward); "
         f"writer and reader are separate spawned processes, the store server a third; medians of "
         f"{report['config']['repeat']} after {report['config']['warmup']} warm-up, contenders interleaved. "
-        f"Transport: {report['config']['transport']}. Decode beside the transfer "
-        f"(`$DATAPLANE_DECODE_THREAD`): {_on_off(report['config'].get('decode_thread'))}.",
+        f"Transport: {report['config']['transport']}. `$DATAPLANE_DECODE_THREAD`: "
+        f"{report['config'].get('decode_thread_env') or 'unset (the default)'}.",
         "",
         "`raw` puts from a registered buffer the batch already sits in; `raw_copied` also copies the batch "
         "into it first (timed), as a raw user holding tensors must when only registered memory can be sent. "
@@ -576,7 +485,7 @@ def to_markdown(report: dict[str, Any]) -> str:
     ]
     for size, cells in report["results"].items():
         for phase, cell in cells.items():
-            if phase in ("bit_exact", "ratios", "core_codec", "paired_ci95"):
+            if phase in ("bit_exact", "ratios", "paired_ci95"):
                 continue
             for c, v in cell.items():
                 if not isinstance(v, dict):
@@ -598,13 +507,6 @@ def to_markdown(report: dict[str, Any]) -> str:
                 + ", ".join(f"{op} {v['low']:.2f}–{v['high']:.2f} (n={v['n']})" for op, v in ci.items())
                 + "."
             )
-    for size, cells in report["results"].items():
-        cc = cells["core_codec"]
-        lines.append(
-            f"- {size}: the core's encode_fields {cc['encode_s'] * 1e3:.1f} ms and decode_columns "
-            f"{cc['decode_s'] * 1e3:.1f} ms are inside every ours put / get (not in raw); ours_adapter is the "
-            "adapter's KVStore.put/get alone."
-        )
     lines += ["", "Targets: " + ", ".join(f"{k} {v}" for k, v in report["targets"].items()) + "."]
     lines += [f"- {n}" for n in report["notes"]]
     return "\n".join(lines) + "\n"
@@ -621,13 +523,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--tcp", dest="shm", action="store_false", help="mooncake://local?shm=false: clients reach the store over TCP"
     )
-    p.add_argument("--out", default=str(RESULTS / "mooncake_xproc"), help="path without extension (.json, .md)")
+    add_out_argument(p)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.workload import bench_main
-
     return bench_main(argv, parse_args, run, to_markdown)
 
 

@@ -7,17 +7,15 @@ equal row counts. Speed: median wall time of planning 4096 rows for 64 ranks, wi
 token budget (target < 20 ms), beside CPU time and the load average, since wall time on a shared
 machine is noisy.
 
-    python -m benchmarks.preshard_quality                # writes benchmarks/results/preshard_quality.json
+    python -m benchmarks.preshard_quality                # writes a dated report in benchmarks/reports/
     python -m benchmarks.preshard_quality --quick --json /tmp/q.json
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import heapq
-import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -25,13 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-import dataplane
-from dataplane.meta import KVBatchMeta
+from benchmarks.harness import default_out, machine_info, machine_line, write_report
+from dataplane import KVBatchMeta
 from dataplane.preshard import plan_shards, shard_meta_for_dp
 
-RESULTS = Path(__file__).resolve().parent / "results" / "preshard_quality.json"
 TARGET_MS = 20.0
 DISTRIBUTIONS = {"lognormal_s1.0": (6.5, 1.0), "lognormal_s1.5": (6.0, 1.5)}
 
@@ -183,21 +179,6 @@ def timing(repeat: int, rows: int = 4096, dp: int = 64) -> dict[str, Any]:
     return {"rows": rows, "dp_size": dp, "lengths": "lognormal mu=6.5 sigma=1.0 seed 0", "cases": out}
 
 
-def machine_info() -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "dataplane": dataplane.__version__,
-    }
-    if hasattr(os, "getloadavg"):
-        info["load_average_1_5_15"] = [round(x, 2) for x in os.getloadavg()]
-    return info
-
-
 def format_table(report: dict[str, Any]) -> str:
     q, t = report["quality"], report["timing"]
     lines = [f"quality: {q['rows']} rows x {q['dp_size']} ranks, max/mean tokens (lower is better)"]
@@ -226,8 +207,15 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(
             f"{c['name']:<30}{c['median_ms']:>9.2f} ms  (cpu {c['cpu_median_ms']:.2f} ms, min {c['min_ms']:.2f})"
         )
-    lines.append(f"load average at the end: {report['machine'].get('load_average_1_5_15')}")
+    lines.append(f"load average at the end: {report['machine'].get('loadavg')}")
     return "\n".join(lines)
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+    return (
+        "# Preshard: token balance against textbook baselines, and planning time\n\n"
+        f"{machine_line(report['machine'])}\n\n```\n{format_table(report)}\n```\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,21 +224,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=31, help="timed runs per planning case (default 31)")
     p.add_argument("--quick", action="store_true", help="3 seeds, 5 timed runs")
     p.add_argument(
-        "--json", metavar="PATH", default=str(RESULTS), help=f"where to write the report (default {RESULTS})"
+        "--json",
+        metavar="PATH",
+        default=None,
+        help="where to write the report, and its markdown beside it (default: a dated report in benchmarks/reports/)",
     )
     args = p.parse_args(argv)
     seeds, repeat = (3, 5) if args.quick else (args.seeds, args.repeat)
     report = {
+        "benchmark": "preshard_quality",
+        "date": datetime.date.today().isoformat(),
+        "command": " ".join(["python -m benchmarks.preshard_quality", *(sys.argv[1:] if argv is None else argv)]),
         "quality": quality(list(range(seeds))),
         "budget": budgeted(list(range(seeds))),
         "timing": timing(repeat),
         "machine": machine_info(),
     }
     print(format_table(report))
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {path}")
+    out = Path(args.json) if args.json else default_out("preshard_quality", report["machine"]).with_suffix(".json")
+    write_report(report, to_markdown(report), out)
+    print(f"wrote {out} and .md")
     return 0
 
 

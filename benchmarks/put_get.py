@@ -17,7 +17,6 @@ import gc
 import importlib.util
 import json
 import os
-import platform
 import sys
 import threading
 import time
@@ -29,9 +28,10 @@ from typing import Any
 import torch
 
 import dataplane
-from benchmarks.base import BenchBackend
+from benchmarks.backends import BenchBackend, all_backends
+from benchmarks.harness import machine_info, median
 from benchmarks.readers import ReaderPool
-from benchmarks.workload import Batch, flat_views, human_bytes, make_batch, median
+from benchmarks.workload import Batch, flat_views, human_bytes, make_batch
 
 SCHEMA_VERSION = 1
 MB = 1 << 20
@@ -74,12 +74,7 @@ class CaseResult:
 
 
 def _backends() -> list[BenchBackend]:
-    out = [BenchBackend(name="memory", url="memory://")]
-    try:
-        from benchmarks import backends as extra  # grown by the adapter issues
-    except ImportError:
-        return out
-    return out + list(extra.BACKENDS)
+    return all_backends()
 
 
 def memcpy_seconds(batch: Batch, repeat: int) -> list[float]:
@@ -124,30 +119,6 @@ def run_case(
             puts.append(t1 - t0)
             gets.append(get_s)
     return puts, gets
-
-
-def machine_info() -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "dataplane": dataplane.__version__,
-        "torch_threads": torch.get_num_threads(),
-    }
-    try:
-        with open("/proc/meminfo") as f:
-            info["mem_total_gib"] = round(int(f.readline().split()[1]) / (1 << 20), 1)
-    except OSError:
-        pass
-    from importlib.metadata import PackageNotFoundError, version
-
-    for dist in ("tensordict", "transferqueue", "ray", "mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine"):
-        try:
-            info[dist] = version(dist)
-        except PackageNotFoundError:
-            pass
-    return info
 
 
 class _Progress:

@@ -9,7 +9,7 @@ subset (the rank cycles between repetitions), for several row counts at one batc
 is checked bit-exact against the batch once. ``mooncake://`` reads through a second client that
 joined the first one's deployment.
 
-    python -m benchmarks.rank_rows                      # memory, mooncake over shm and TCP; writes results
+    python -m benchmarks.rank_rows                      # memory, mooncake over shm and TCP; a dated report
     python -m benchmarks.rank_rows --backends memory:// --rows 256 --repeat 3 --out /tmp/r
 """
 
@@ -20,11 +20,11 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import add_out_argument, bench_main, machine_info, machine_line
+
 MB = 1 << 20
-RESULTS = Path(__file__).resolve().parent / "results"
 BACKENDS = ["memory://", "mooncake://local?segment_bytes=2GiB", "mooncake://local?segment_bytes=2GiB&shm=false"]
 
 
@@ -93,13 +93,12 @@ def _one_backend(url: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from benchmarks.put_get import machine_info
-
+    machine = machine_info()
     results = {url: _one_backend(url, args) for url in args.backends}
     return {
         "benchmark": "rank_rows",
         "config": {k: getattr(args, k) for k in ("size_mb", "fields", "rows", "dp", "repeat", "warmup")},
-        "machine": {**machine_info(), "loadavg_after": os.getloadavg()},
+        "machine": {**machine, "loadavg_after": os.getloadavg()},
         "results": results,
     }
 
@@ -110,8 +109,7 @@ def to_markdown(report: dict[str, Any]) -> str:
     lines = [
         "# One data-parallel rank's read of its rows",
         "",
-        f"Machine: {m.get('cpu_count')} CPUs, {m.get('mem_total_gib')} GiB, {m.get('platform')}, torch {m.get('torch')}, "
-        f"mooncake {m.get('mooncake-transfer-engine-non-cuda', '?')}.",
+        machine_line(m),
         f"Batch: `make_batch({c['size_mb']} MB, {c['fields']} fields, rows=N)`; one process; medians of "
         f"{c['repeat']} after {c['warmup']} warm-up, reads interleaved. `whole`: the get of every row by the "
         "put's meta; `dpK`: the get of every K-th row (rank r of K, cycling) by the meta's subset, and its time "
@@ -139,7 +137,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dp", type=ints, default=[2, 8])
     p.add_argument("--repeat", type=int, default=15)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--out", default=str(RESULTS / "rank_rows"), help="path without extension (.json, .md)")
+    add_out_argument(p)
     args = p.parse_args(argv)
     if min(args.dp) < 2 or min(args.rows) < max(args.dp):
         p.error("--dp values must be >= 2 and --rows at least the largest dp")
@@ -147,8 +145,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.workload import bench_main
-
     return bench_main(argv, parse_args, run, to_markdown)
 
 

@@ -15,8 +15,8 @@ so an independent read costs what a read from a local store costs. Measured in t
 Medians of ``--repeat`` runs after ``--warmup``. Targets: leader_broadcast <= 1.2x independent_single;
 broadcast step >= 50% of the NCCL ceiling.
 
-    python -m benchmarks.worker_gpu --ranks 4 --gb 1 --json benchmarks/results/worker_gpu.json \\
-        --md benchmarks/results/worker_gpu.md
+    python -m benchmarks.worker_gpu --ranks 4 --gb 1          # a dated report in benchmarks/reports/
+    python -m benchmarks.worker_gpu --ranks 2 --json /tmp/w.json --md /tmp/w.md
 """
 
 from __future__ import annotations
@@ -25,12 +25,11 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import socket
 import statistics
-import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,7 +38,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import dataplane
-from dataplane.codec.jagged import offsets_from_lengths, to_nested
+from benchmarks.harness import default_out, machine_info
+from dataplane.codec import offsets_from_lengths, to_nested
 from dataplane.worker import DataPlaneWorkerMixin
 
 BYTES_PER_TOKEN = 8 + 2 + 4 + 1
@@ -193,34 +193,6 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_pa
     dist.destroy_process_group()
 
 
-def machine_info(world: int) -> dict[str, Any]:
-    try:
-        names = (
-            subprocess.run(
-                ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                timeout=30,
-            )
-            .stdout.strip()
-            .splitlines()
-        )
-    except (OSError, subprocess.SubprocessError):
-        names = []
-    return {
-        "gpus": names,
-        "gpu_count": torch.cuda.device_count(),
-        "ranks": world,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,  # type: ignore[no-untyped-call]
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "nvls": os.environ.get("NCCL_NVLS_ENABLE"),
-    }
-
-
 def markdown(report: dict[str, Any]) -> str:
     m, r, ratios = report["machine"], report["result"], report["ratios"]
     gb = 1e9
@@ -228,7 +200,7 @@ def markdown(report: dict[str, Any]) -> str:
         "# Worker fetch on GPUs: leader broadcast vs independent reads",
         "",
         f"Machine: {m['ranks']} x {m['gpus'][0] if m['gpus'] else 'GPU'} (of {m['gpu_count']}), torch {m['torch']} "
-        f"(CUDA {m['cuda']}, NCCL {m['nccl']}), Python {m['python']}, {m['cpus']} CPUs.",
+        f"(CUDA {m['cuda']}, NCCL {m['nccl']}), Python {m['python']}, {m['cpu_count']} CPUs.",
         f"Shard: {r['rows']} rows, {r['tokens'] / 1e6:.1f} M tokens (median {r['median_len']}, max {r['max_len']}), "
         f"{r['broadcast_bytes'] / gb:.3f} GB on the wire; jagged layout onto every GPU; medians of "
         f"{report['config']['repeat']} runs after {report['config']['warmup']} warm-up.",
@@ -262,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=16384)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--json", default="benchmarks/results/worker_gpu.json")
-    p.add_argument("--md", default="benchmarks/results/worker_gpu.md")
+    p.add_argument("--json", default=None, help="default: a dated report in benchmarks/reports/")
+    p.add_argument("--md", default=None, help="default: beside the JSON")
     p.add_argument("--cpu", action="store_true", help="smoke-test the harness on CPU ranks over gloo")
     args = p.parse_args(argv)
     count = args.ranks if args.cpu and args.ranks else torch.cuda.device_count()
@@ -274,6 +246,17 @@ def main(argv: list[str] | None = None) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
+    machine = {
+        **machine_info(gpus=True),
+        "gpu_count": torch.cuda.device_count(),
+        "ranks": world,
+        "nvls": os.environ.get("NCCL_NVLS_ENABLE"),
+    }
+    if args.json is None:
+        args.json = str(default_out("worker_gpu", machine).with_suffix(".json"))
+    if args.md is None:
+        args.md = str(Path(args.json).with_suffix(".md"))
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     tmp = f"{args.json}.rank0.tmp"
     spawn: Any = mp.start_processes  # type: ignore[attr-defined]
     spawn(rank_main, args=(world, port, args, tmp), nprocs=world, start_method="spawn", join=True)
@@ -295,7 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         "schema_version": 1,
         "benchmark": "worker_gpu",
         "config": {"ranks": world, "gb": args.gb, "rows": args.rows, "warmup": args.warmup, "repeat": args.repeat},
-        "machine": machine_info(world),
+        "date": datetime.date.today().isoformat(),
+        "command": " ".join(["python -m benchmarks.worker_gpu", *(sys.argv[1:] if argv is None else argv)]),
+        "machine": machine,
         "result": result,
         "ratios": ratios,
         "targets": {
@@ -304,7 +289,6 @@ def main(argv: list[str] | None = None) -> int:
             "met": ratios["leader_vs_single"] <= 1.2 and ratios["broadcast_vs_nccl"] >= 0.5,
         },
     }
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(report, f, indent=2)
     text = markdown(report)

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -125,25 +122,6 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n}"  # pragma: no cover
-
-
-def median(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[len(s) // 2] if s else math.nan
-
-
-def bench_main(argv: list[str] | None, parse_args: Any, run: Any, to_markdown: Any) -> int:
-    """A results benchmark's ``main``: parse, run, write ``--out`` + ``.json`` (the report) and
-    ``.md`` (its markdown), print the markdown."""
-    args = parse_args(argv)
-    report = run(args)
-    markdown = to_markdown(report)
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    path.with_suffix(".md").write_text(markdown)
-    print(markdown)
-    return 0
 
 
 def same_fields(got: Any, want: dict[str, Any]) -> bool:

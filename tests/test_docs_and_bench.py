@@ -1,7 +1,13 @@
-"""The README's example runs, and the benchmark's JSON matches its documented schema."""
+"""The README's example runs, and one smoke run of every maintained benchmark checks its output.
+
+Each smoke run is as small as still exercises each contender (every installed backend, raw, ceilings)
+and checks what the benchmark reports (schema, reads checked bit-exact inside the benchmark, which
+raises otherwise). Figures from these runs mean nothing: the reports in ``benchmarks/reports/`` do.
+"""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
@@ -14,17 +20,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-import dataplane
-
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _mooncake(url: str) -> Any:
-    """``url`` as a parameter that needs Mooncake (marked, and skipped with the reason where absent)."""
-    missing = importlib.util.find_spec("mooncake") is None
-    return pytest.param(
-        url, marks=[pytest.mark.mooncake, pytest.mark.skipif(missing, reason="Mooncake is not installed")]
-    )
 
 
 def test_readme_example_runs() -> None:
@@ -36,15 +32,27 @@ def test_readme_example_runs() -> None:
     assert "torch.Size([3, 8])" in out.stdout
 
 
-def _run_bench(tmp_path: Path, *args: str) -> tuple[dict[str, Any], str]:
-    path = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "benchmarks.put_get", *args, "--no-progress", "--json", str(path)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-4000:]
-    report = json.loads(path.read_text())
-    schema = json.loads((ROOT / "benchmarks" / "put_get.schema.json").read_text())
-    jsonschema.validate(report, schema)
-    return report, out.stdout
+def _run(module: str, *args: str, timeout: int = 600) -> str:
+    """``python -m benchmarks.<module> ARGS`` from the repository root; its stdout."""
+    cmd = [sys.executable, "-m", f"benchmarks.{module}", *args]
+    done = subprocess.run(cmd, cwd=ROOT, timeout=timeout, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout
+
+
+def _report(module: str, tmp_path: Path, *args: str) -> tuple[dict[str, Any], str]:
+    """Run a benchmark's ``main`` in this process (no second start of torch) with ``--out STEM``
+    (STEM.json, STEM.md): the report and its markdown, after checking what the harness stamps on
+    every report."""
+    out = tmp_path / module
+    assert importlib.import_module(f"benchmarks.{module}").main([*args, "--out", str(out)]) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["benchmark"].startswith(module)
+    machine = report["machine"]
+    assert machine["cpu_count"] == os.cpu_count() and {"python", "torch", "dataplane"} <= set(machine)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d", report["date"])
+    assert report["command"].startswith(f"python -m benchmarks.{module} ")
+    return report, out.with_suffix(".md").read_text()
 
 
 def _installed_backends() -> set[str]:
@@ -54,48 +62,46 @@ def _installed_backends() -> set[str]:
 
 
 @pytest.mark.slow
-def test_quick_benchmark_is_what_ci_runs_and_matches_schema(tmp_path: Path) -> None:
-    """``--quick`` exactly as CI's smoke run: every installed backend is measured and reported."""
-    report, stdout = _run_bench(tmp_path, "--quick")
+def test_put_get_measures_every_installed_backend_and_matches_schema(tmp_path: Path) -> None:
+    """``--quick`` (what CI runs) on the smallest grid with both layouts and a scalar field: every
+    installed backend is measured beside memcpy (and its raw API: every backend but memory)."""
+    path = tmp_path / "bench.json"
+    args = ("--quick", "--sizes", "1", "--fields", "4", "--layouts", "jagged,padded", "--repeat", "1")
+    stdout = _run("put_get", *args, "--no-progress", "--json", str(path))
+    report = json.loads(path.read_text())
+    jsonschema.validate(report, json.loads((ROOT / "benchmarks" / "put_get.schema.json").read_text()))
     installed = _installed_backends()
     assert installed >= {"memory"}
     assert {name for name, status in report["backends"].items() if status == "ok"} == installed, report["backends"]
-    measured = {r["backend"] for r in report["results"]}
-    assert measured == installed
+    got = {(r["backend"], r["n_fields"], r["layout"]) for r in report["results"]}
+    assert got == {(b, 4, lay) for b in installed for lay in ("jagged", "padded")}
     for r in report["results"]:
         assert r["put_gbps"] > 0 and r["get_gbps"] > 0 and r["memcpy_gbps"] > 0
+        assert r["put"]["min_s"] <= r["put"]["median_s"] <= r["put"]["max_s"]
+        if r["layout"] == "jagged":  # jagged fields carry no padding
+            assert r["padded_bytes"] > r["payload_bytes"]
         if r["backend"] != "memory":  # every backend but memory is compared with its raw API
             assert r["put_vs_raw"] is not None and r["get_vs_raw"] is not None
     assert report["machine"]["cpu_count"] == os.cpu_count()
     assert "put GB/s" in stdout
 
 
-def test_benchmark_grid_options(tmp_path: Path) -> None:
-    report, _ = _run_bench(
-        tmp_path, "--backend", "memory", "--sizes", "1", "--fields", "1,4", "--layouts", "jagged,padded",
-        "--repeat", "2", "--no-ray",
-    )  # fmt: skip
-    assert report["backends"] == {"memory": "ok"}
-    got = {(r["n_fields"], r["layout"]) for r in report["results"]}
-    assert got == {(1, "jagged"), (4, "jagged"), (1, "padded"), (4, "padded")}
-    for r in report["results"]:
-        if r["layout"] == "jagged":  # jagged fields carry no padding
-            assert r["padded_bytes"] > r["payload_bytes"]
-        assert r["put"]["min_s"] <= r["put"]["median_s"] <= r["put"]["max_s"]
-
-
 @pytest.mark.slow
 @pytest.mark.mooncake
 @pytest.mark.multiprocess
 @pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake is not installed")
-def test_reader_processes_get_the_batch(tmp_path: Path) -> None:
-    report, _ = _run_bench(
-        tmp_path, "--backend", "mooncake", "--sizes", "1", "--fields", "4", "--repeat", "1", "--readers", "2",
-        "--no-ray",
-    )  # fmt: skip
+def test_put_get_reader_processes_get_the_batch(tmp_path: Path) -> None:
+    """``--readers N``: N spawned processes get each batch by its meta at once (in this process: no
+    Ray, no TransferQueue)."""
+    from benchmarks.put_get import main
+
+    path = tmp_path / "bench.json"
+    args = ["--backend", "mooncake", "--sizes", "1", "--fields", "4", "--repeat", "1", "--readers", "1", "--no-ray"]
+    assert main([*args, "--no-progress", "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
     assert report["backends"] == {"mooncake": "ok"}, report
     (r,) = report["results"]
-    assert r["readers"] == 2 and r["get_gbps"] > 0
+    assert r["readers"] == 1 and r["get_gbps"] > 0
 
 
 @pytest.mark.slow
@@ -104,16 +110,19 @@ def test_reader_processes_get_the_batch(tmp_path: Path) -> None:
 @pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake is not installed")
 def test_mooncake_xproc_contenders_are_bit_exact(tmp_path: Path) -> None:
     """Every contender of the between-process benchmark reads the writer's batch back bit-exact (raw_njt:
-    the nested tensors it put, values and offsets, rebuilt from what it read), and the ratios the
-    closing notes quote are computed."""
-    out = tmp_path / "xproc"
-    _run_results_bench("mooncake_xproc", out, "--sizes 1 --fields 5 --repeat 2 --warmup 0 --no-tq --segment-gib 1")
-    report = json.loads(out.with_suffix(".json").read_text())
+    the nested tensors it put, values and offsets, rebuilt from what it read), and the ratios are computed."""
+    report, md = _report(
+        "mooncake_xproc",
+        tmp_path,
+        *["--sizes", "1", "--fields", "5", "--repeat", "1", "--warmup", "0", "--no-tq", "--segment-gib", "1"],
+    )
     cells = report["results"]["1MB"]
     assert cells["bit_exact"] == {"ours": True, "ours_zc": True, "raw": True, "raw_njt": True}, cells["bit_exact"]
     ratios = cells["ratios"]
     for name in (
         "get_ours_vs_raw",
+        "put_ours_zc_vs_raw",
+        "put_ours_vs_raw_copied",
         "get_ours_vs_raw_njt",
         "get_raw_njt_vs_raw",
         "get_ours_vs_raw_njt_paired",
@@ -122,7 +131,7 @@ def test_mooncake_xproc_contenders_are_bit_exact(tmp_path: Path) -> None:
         "put_ours_zc_vs_raw_njt_paired",
     ):
         assert ratios[name] > 0, name
-    assert "raw_njt" in out.with_suffix(".md").read_text()
+    assert "raw_njt" in md
 
 
 @pytest.mark.slow
@@ -130,18 +139,35 @@ def test_mooncake_xproc_contenders_are_bit_exact(tmp_path: Path) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake is not installed")
 def test_concurrent_benchmark_reads_every_writer_back_bit_exact(tmp_path: Path) -> None:
-    """Several writers and readers at once: each reader reads its writer's batches bit-exact, ours and
-    raw, and the paired ratios are computed."""
-    out = tmp_path / "conc"
-    _run_results_bench(
-        "mooncake_concurrent", out, "--sizes 1 --fields 5 --writers 2 --ops 2 --repeat 2 --warmup 0 --segment-gib 1"
+    """Writers and readers in processes of their own: each reader reads its writer's batches bit-exact,
+    ours and raw, and the paired ratios are computed."""
+    report, md = _report(
+        "mooncake_concurrent",
+        tmp_path,
+        *[
+            "--sizes",
+            "1",
+            "--fields",
+            "5",
+            "--writers",
+            "1",
+            "--ops",
+            "2",
+            "--repeat",
+            "1",
+            "--warmup",
+            "0",
+            "--segment-gib",
+            "1",
+        ],
     )
-    cell = json.loads(out.with_suffix(".json").read_text())["results"]["1MB"]
+    assert report["benchmark"] == "mooncake_concurrent_1w"
+    cell = report["results"]["1MB"]
     assert cell["bit_exact"] == {"ours": True, "raw": True}, cell["bit_exact"]
     for op in ("put", "get"):
         assert cell["ours"][op]["gbps"] > 0 and cell["raw"][op]["gbps"] > 0
-        assert cell[f"{op}_ours_vs_raw_paired"]["n"] == 2
-    assert "| 1MB | ours |" in out.with_suffix(".md").read_text()
+        assert cell[f"{op}_ours_vs_raw_paired"]["n"] == 1
+    assert "| 1MB | ours |" in md
 
 
 @pytest.mark.slow
@@ -149,68 +175,14 @@ def test_concurrent_benchmark_reads_every_writer_back_bit_exact(tmp_path: Path) 
 @pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake is not installed")
 def test_mooncake_scale_benchmark_fills_the_master_and_reads_back(tmp_path: Path) -> None:
     """The scaling benchmark puts the foreign objects it reports (its gets check bit-exactness)."""
-    out = tmp_path / "scale"
-    _run_results_bench("mooncake_scale", out, "--levels 0,300 --repeat 2 --warmup 0 --segment-mib 256")
-    results = json.loads(out.with_suffix(".json").read_text())["results"]
-    assert [results[level]["listed_keys"] for level in ("0", "300")] == [0, 300]
+    report, md = _report(
+        "mooncake_scale", tmp_path, *["--levels", "0,100", "--repeat", "1", "--warmup", "0", "--segment-mib", "128"]
+    )
+    results = report["results"]
+    assert [results[level]["listed_keys"] for level in ("0", "100")] == [0, 100]
     for r in results.values():
         assert min(r["put_ms"], r["put_again_ms"], r["get_ms"], r["raw_get_ms"], r["listing_ms"]) > 0
-    assert "| 300 | 300 |" in out.with_suffix(".md").read_text()
-
-
-@pytest.mark.slow
-@pytest.mark.mooncake
-@pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake is not installed")
-def test_mooncake_beside_gate_benchmark_times_every_case_and_checks_its_gets(tmp_path: Path) -> None:
-    """The gate benchmark times each kind of Python beside a raw read and each way of getting a batch
-    (it raises on a get that reads back wrong)."""
-    out = tmp_path / "gate"
-    _run_results_bench("results.mooncake_beside_gate", out, "--size-mb 4 --repeat 1")
-    report = json.loads(out.with_suffix(".json").read_text())
-    assert len(report["raw_read_ms"]) == 6 and min(report["raw_read_ms"].values()) > 0
-    assert set(report["get_by_meta"]) == {"in line", "beside, no gate", "beside, gate"}
-    assert all(v["get_ms"] >= v["read_ms"] > 0 for v in report["get_by_meta"].values())
-
-
-@pytest.mark.slow
-@pytest.mark.mooncake
-@pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake is not installed")
-def test_mooncake_floor_benchmark_times_every_contender(tmp_path: Path) -> None:
-    """The floor benchmark times raw Mooncake with and without the check and the index object, and
-    ours (it raises on a get that reads back wrong)."""
-    out = tmp_path / "floor"
-    _run_results_bench("results.mooncake_floor", out, "--size-mb 4 --repeat 1")
-    report = json.loads(out.with_suffix(".json").read_text())
-    assert set(report["get"]["ms"]) == {"raw", "raw + check after", "raw + check beside", "ours"}
-    assert set(report["put"]["ms"]) == {
-        "raw",
-        "raw + index object",
-        "ours_zc",
-        "ours_zc write",
-        "ours_zc python before the write",
-    }
-    for part in ("get", "put"):
-        assert min(report[part]["ms"].values()) > 0 and min(report[part]["raw_over"].values()) > 0
-    assert report["put"]["ms"]["ours_zc"] > report["put"]["ms"]["ours_zc write"]
-
-
-@pytest.mark.slow
-@pytest.mark.mooncake
-@pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake is not installed")
-def test_streaming_copy_benchmark_compares_both_deployments(tmp_path: Path) -> None:
-    """The streaming-copy benchmark starts one store server streaming its copies and one with glibc's
-    own, and times raw (padded and odd) and ours on each, checking what each read back."""
-    out = tmp_path / "streaming"
-    _run_results_bench("results.mooncake_streaming_copy", out, "--sizes 2 --repeat 1 --segment-gib 1")
-    report = json.loads(out.with_suffix(".json").read_text())
-    assert report["store_server_tunables"] == {"streamed": "glibc.cpu.x86_non_temporal_threshold=0x40000", "glibc": ""}
-    cell = report["2MB"]
-    assert cell["bit_exact"] is True
-    assert set(cell["ms"]) == {
-        f"{d} {c} {op}" for d in ("streamed", "glibc") for c in ("raw", "raw odd", "ours") for op in ("put", "get")
-    }
-    assert min(cell["ms"].values()) > 0 and len(cell["paired"]) == 12 and min(cell["paired"].values()) > 0
-    assert set(report["memcpy_32MB_ms"]) == {"glibc", "streamed"}
+    assert "| 100 | 100 |" in md
 
 
 @pytest.mark.slow
@@ -219,9 +191,9 @@ def test_streaming_copy_benchmark_compares_both_deployments(tmp_path: Path) -> N
 def test_mooncake_layout_benchmark_times_every_layout_and_checks_its_reads(tmp_path: Path) -> None:
     """The layout benchmark stores the objects each layout names and reads them back (bit-exact checks
     raise inside it), over both transports."""
-    out = tmp_path / "layout"
-    _run_results_bench("mooncake_layout", out, "--sizes 1 --repeat 2 --warmup 0 --segment-mib 256")
-    report = json.loads(out.with_suffix(".json").read_text())
+    report, md = _report(
+        "mooncake_layout", tmp_path, *["--sizes", "1", "--repeat", "1", "--warmup", "0", "--segment-mib", "128"]
+    )
     rows = report["config"]["rows"]["1MB"]
     assert report["config"]["objects"]["1MB"] == {"row_field": rows * 8, "field": 8, "field_index": 9, "put": 1}
     for transport in ("shm", "tcp"):
@@ -229,72 +201,107 @@ def test_mooncake_layout_benchmark_times_every_layout_and_checks_its_reads(tmp_p
         assert cell["field"]["put_vs_field"] == 1.0 and 0 < cell["shard_bytes"] < cell["bytes"]
         for layout in ("row_field", "field", "field_index", "put"):
             assert min(cell[layout][op] for op in ("put", "get_all", "get_shard")) > 0
-    assert "| tcp | 1MB | row_field |" in out.with_suffix(".md").read_text()
+    assert "| tcp | 1MB | row_field |" in md
+
+
+def _cuda_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _urls(*mooncake: str) -> list[str]:
+    """memory, and the given mooncake:// URLs where Mooncake is installed."""
+    return ["memory://", *(mooncake if importlib.util.find_spec("mooncake") is not None else ())]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("url", ["memory://", _mooncake("mooncake://local?segment_bytes=256MiB&shm=false")])
-def test_rank_rows_benchmark_checks_every_kind_of_read(tmp_path: Path, url: str) -> None:
+def test_rank_rows_benchmark_checks_every_kind_of_read(tmp_path: Path) -> None:
     """The rank-read benchmark checks its whole and per-rank reads bit-exact (raising inside) and
     reports each rank's read against the whole one."""
-    out = tmp_path / "rank"
-    _run_results_bench("rank_rows", out, f"--backends {url} --size-mb 1 --rows 16,64 --dp 2,8 --repeat 2 --warmup 0")
-    cells = json.loads(out.with_suffix(".json").read_text())["results"][url]
-    assert sorted(cells) == ["16", "64"]
-    for cell in cells.values():
+    urls = _urls("mooncake://local?segment_bytes=128MiB&shm=false")
+    args = [
+        "--backends",
+        ";".join(urls),
+        *["--size-mb", "1", "--rows", "16", "--dp", "2,8", "--repeat", "1", "--warmup", "0"],
+    ]
+    report, md = _report("rank_rows", tmp_path, *args)
+    assert list(report["results"]) == urls
+    for url in urls:
+        (cell,) = report["results"][url].values()
         assert min(cell["whole_ms"], cell["dp2_ms"], cell["dp8_ms"], cell["dp8_vs_whole"]) > 0
-    assert f"| `{url}` | 64 |" in out.with_suffix(".md").read_text()
+        assert f"| `{url}` | 16 |" in md
 
 
-def test_many_rows_benchmark_times_every_step_and_checks_its_reads() -> None:
-    """The many-rows step checks its gets against what was put (raising inside), on few rows."""
-    from benchmarks.results.many_rows import STEPS, step_times
+@pytest.mark.slow
+def test_many_rows_benchmark_times_every_step_and_checks_its_reads(tmp_path: Path) -> None:
+    """The many-rows benchmark checks its gets and listing against what was put (raising inside)."""
+    from benchmarks.many_rows import STEPS
 
-    client = dataplane.connect("memory://")
-    try:
-        med = step_times(client, client, rows=40, repeat=1)
-    finally:
-        client.close()
-    assert list(med) == list(STEPS) and min(med.values()) > 0
-
-
-@pytest.mark.parametrize("url", ["memory://", _mooncake("mooncake://local?segment_bytes=64MiB")])
-def test_single_row_puts_benchmark_times_each_block_and_reads_every_row(url: str) -> None:
-    """The streaming benchmark reads every row back (raising on a mismatch) and clears after itself."""
-    from benchmarks.results.single_row_puts import stream
-
-    client = dataplane.connect(url)
-    try:
-        per = stream(client, 30, 3, block=10)
-        assert len(per) == 3 and min(per) > 0
-        assert client.kv_list("stream") == {}
-    finally:
-        client.close()
+    urls = _urls("mooncake://local?segment_bytes=64MiB")
+    args = ["--backends", ";".join(urls), *["--rows", "40", "--size-mb", "1", "--repeat", "1"]]
+    report, md = _report("many_rows", tmp_path, *args)
+    for url in urls:
+        cell = report["results"][url]["40"]
+        assert list(cell) == [f"{k}_ms" for k in STEPS] and min(cell.values()) > 0
+        assert f"| `{url}` | 40 |" in md
 
 
-@pytest.mark.parametrize("url", ["memory://", _mooncake("mooncake://local?segment_bytes=64MiB")])
-def test_rollouts_benchmark_reads_every_row_back_and_clears(url: str) -> None:
-    """The streamed-rollouts benchmark checks every row it reads (raising on a mismatch)."""
-    from benchmarks.results.single_row_puts import rollouts
+@pytest.mark.slow
+def test_streaming_puts_benchmark_reads_every_row_back(tmp_path: Path) -> None:
+    """The streaming benchmark reads every streamed row and every rollout back (raising on a
+    mismatch), per block of puts and per round."""
+    urls = _urls("mooncake://local?segment_bytes=64MiB")
+    args = [
+        "--backends",
+        ";".join(urls),
+        *["--puts", "20", "--block", "10", "--fields", "3", "--rollouts", "8", "--rounds", "1", "--repeat", "1"],
+    ]
+    report, md = _report("streaming_puts", tmp_path, *args)
+    for url in urls:
+        r = report["results"][url]
+        assert len(r["stream_ms_per_put"]) == 2 and min(r["stream_ms_per_put"]) > 0
+        (rollouts,) = r["rollouts"]
+        assert set(rollouts) == {"put_s", "get_all_s", "get_quarter_s", "bytes"} and min(rollouts.values()) > 0
+        assert f"| `{url}` | 1 |" in md
 
-    client = dataplane.connect(url)
-    try:
-        r = rollouts(client, 12, repeat=1)
-        assert set(r) == {"put", "get all", "get 1/4", "bytes"} and min(r.values()) > 0
-        assert client.kv_list("rollouts") == {}
-    finally:
-        client.close()
+
+def test_preshard_quality_benchmark_reports_quality_and_timing(tmp_path: Path) -> None:
+    from benchmarks.preshard_quality import main
+
+    path = tmp_path / "q.json"
+    assert main(["--seeds", "2", "--repeat", "1", "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    assert report["benchmark"] == "preshard_quality" and isinstance(report["machine"]["cpu_count"], int)
+    q = report["quality"]
+    assert q["rows"] == 512 and q["dp_size"] == 8 and q["seeds"] == [0, 1]
+    for row in q["per_seed"]:
+        assert row["ours"] <= 1.02 * min(row["greedy"], row["karmarkar_karp"])  # quality, not wall time
+    t = report["timing"]
+    assert t["rows"] == 4096 and t["dp_size"] == 64
+    for case in t["cases"]:
+        assert {"name", "median_ms", "target_ms"} <= set(case) and case["median_ms"] > 0
+    assert "ours/best" in path.with_suffix(".md").read_text()
 
 
-def _run_results_bench(module: str, out: Path, args: str) -> None:
-    """``python -m benchmarks.<module> ARGS --out OUT`` (a results benchmark: writes OUT.json and OUT.md)."""
-    cmd = [sys.executable, "-m", f"benchmarks.{module}", *args.split(), "--out", str(out)]
-    done = subprocess.run(cmd, cwd=ROOT, timeout=600, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-4000:]
+@pytest.mark.gpu
+@pytest.mark.multiprocess
+@pytest.mark.skipif(_cuda_gpus() < 2, reason="needs at least 2 CUDA GPUs")
+def test_worker_gpu_benchmark_times_every_way_onto_the_gpus(tmp_path: Path) -> None:
+    path = tmp_path / "w.json"
+    _run(
+        "worker_gpu",
+        *["--ranks", "2", "--gb", "0.01", "--rows", "256", "--warmup", "0", "--repeat", "1", "--json"],
+        str(path),
+    )
+    report = json.loads(path.read_text())
+    assert set(report["result"]["runs"]) == {"independent_single", "independent_all", "leader_broadcast"}
+    assert report["machine"]["ranks"] == 2 and len(report["machine"]["gpus"]) >= 2
+    assert min(report["ratios"].values()) > 0
 
 
 def test_median_confidence_interval_is_the_binomial_order_statistics() -> None:
-    from benchmarks.mooncake_xproc import median_ci95
+    from benchmarks.harness import median_ci95
 
     xs = [float(i) for i in range(100)]
     low, high = median_ci95(list(reversed(xs)))  # order does not matter
@@ -306,20 +313,21 @@ def test_median_confidence_interval_is_the_binomial_order_statistics() -> None:
         median_ci95([])
 
 
-def test_timing_calls_times_each_call_and_puts_the_method_back() -> None:
-    from benchmarks.base import timing_calls
+def test_reports_are_named_by_date_machine_and_benchmark() -> None:
+    """Every report in ``benchmarks/reports/`` is ``<date>_<machine>_<benchmark>[_variant]`` (a JSON,
+    its markdown) measured on the machine its name says, and the index links every one."""
+    from benchmarks.harness import REPORTS, machine_label
 
-    class Thing:
-        def work(self, x: int) -> int:
-            if x < 0:
-                raise ValueError(x)
-            return x * 2
-
-    thing = Thing()
-    with timing_calls(thing, "work") as seconds:
-        assert thing.work(3) == 6
-        with pytest.raises(ValueError):
-            thing.work(-1)  # a call that raises is timed too
-    assert len(seconds) == 2 and all(s >= 0 for s in seconds)
-    assert "work" not in vars(thing)  # the instance attribute is gone: the class's method is back
-    assert thing.work(4) == 8 and len(seconds) == 2
+    index = (REPORTS / "README.md").read_text()
+    modules = {p.stem for p in (ROOT / "benchmarks").glob("*.py")}
+    stems = {p.stem for p in REPORTS.iterdir() if p.name != "README.md"}
+    assert stems
+    for stem in stems:
+        date, label, benchmark = stem.split("_", 2)
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d", date), stem
+        assert any(benchmark == m or benchmark.startswith(f"{m}_") for m in modules), stem
+        assert (REPORTS / f"{stem}.md").exists() and (REPORTS / f"{stem}.json").exists(), stem
+        assert machine_label(json.loads((REPORTS / f"{stem}.json").read_text())["machine"]) == label, stem
+        assert f"({stem}.md)" in index, f"{stem} is not in the index"
+    assert machine_label({"cpu_count": 16}) == "16cpu"
+    assert machine_label({"cpu_count": 64, "gpus": ["NVIDIA H200, 143771 MiB, 580.1"] * 4}) == "4xH200"

@@ -28,7 +28,6 @@ ROOT = Path(__file__).resolve().parents[1]
 ADAPTERS = "dataplane.adapters"
 # Flat files of the layout before adapters became packages: private prefix -> adapter.
 LEGACY_PREFIXES = {"_mc_": "mooncake", "_mooncake_": "mooncake", "_tq_": "transfer_queue"}
-REFACTOR = "fixed by the adapter/benchmark refactor of issue 32"
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,7 +247,6 @@ def test_no_adapter_imports_another_adapters_modules() -> None:
     assert not offenders, "\n".join(offenders)
 
 
-@pytest.mark.xfail(strict=True, reason=REFACTOR)
 def test_benchmarks_import_no_private_dataplane_module() -> None:
     offenders = private_dataplane_imports(sources_under("benchmarks"))
     assert not offenders, "\n".join(offenders)

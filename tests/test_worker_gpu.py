@@ -1,8 +1,8 @@
 """Worker mixin over NCCL: the scenarios of ``tests/test_worker.py`` on 2-4 GPUs, one process per GPU.
 
 Replica groups of two ranks (``new_group`` on every rank), each rank with its own ``memory://`` store
-filled deterministically with the same rows (no cross-process store yet). Results recorded under
-``benchmarks/results/worker_gpu*``.
+filled deterministically with the same rows (no cross-process store yet). Timings: ``python -m
+benchmarks.worker_gpu`` (reports in ``benchmarks/reports/``).
 """
 
 from __future__ import annotations
