@@ -16,7 +16,7 @@ import pytest
 
 import dataplane
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _mooncake(url: str) -> Any:

@@ -43,7 +43,7 @@ from dataplane.meta import KVBatchMeta
 from dataplane.store import StoreClient
 from dataplane.testing.strategies import bit_exact
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None
 needs_mooncake = [
     pytest.mark.mooncake,

@@ -4,7 +4,7 @@ The multi-process tests spawn real processes (spawn context) that form a gloo gr
 replica groups of two ranks ({0, 1} and {2, 3}), each made with ``new_group`` on every rank. There
 is no cross-process store yet, so each rank opens its own ``memory://`` store and fills it
 deterministically with the same rows: every rank sees the same data, as it would through a shared
-store. ``tests/test_worker_gpu.py`` runs the same scenarios over NCCL.
+store. ``tests/worker/test_worker_gpu.py`` runs the same scenarios over NCCL.
 """
 
 from __future__ import annotations

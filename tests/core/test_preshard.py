@@ -19,7 +19,7 @@ from dataplane.errors import InvalidArgument, SchemaError
 from dataplane.meta import KVBatchMeta
 from dataplane.preshard import ShardPlan, plan_shards, restore_order, shard_meta_for_dp
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FAST = settings(max_examples=120, deadline=None, derandomize=True)
 DISTS = ("lognormal", "equal", "one_huge", "many_zeros", "ascending", "descending", "uniform", "bimodal")
 
