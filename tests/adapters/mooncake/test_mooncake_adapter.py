@@ -406,7 +406,7 @@ class TestMooncakeAdapter:
         finally:
             other.kv_clear(partition_id=pid)
 
-    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(
         ops=st.lists(
             st.tuples(

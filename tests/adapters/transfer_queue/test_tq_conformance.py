@@ -37,13 +37,7 @@ class _TQConformance(ClientConformance):
     def test_state_machine(self, client: DataPlaneClient) -> None:
         run_state_machine_as_test(
             make_state_machine(lambda: client),
-            settings=settings(
-                max_examples=12,
-                stateful_step_count=8,
-                deadline=None,
-                derandomize=True,
-                suppress_health_check=list(HealthCheck),
-            ),
+            settings=settings(max_examples=12, stateful_step_count=8, suppress_health_check=list(HealthCheck)),
         )
 
     def test_round_trips(self, client: DataPlaneClient) -> None:
