@@ -7,8 +7,8 @@ Hypothesis profiles (``HYPOTHESIS_PROFILE`` picks one; otherwise ``ci`` where ``
 
 Both have no deadline: a shared 2-core host makes single examples slow now and then.
 
-Tests marked ``soak`` (long variants of churn and property tests) run only where ``DATAPLANE_SOAK=1``
-(see ``tests/README.md``).
+Tests marked ``soak`` (long variants of churn tests) are deselected unless ``DATAPLANE_SOAK=1`` or a
+``-m`` expression names ``soak`` (see ``tests/README.md``).
 """
 
 from __future__ import annotations
@@ -44,16 +44,23 @@ _MISSING = {
 }
 
 
+def _soak(config: pytest.Config) -> bool:
+    """Whether soak tests are collected: asked for by DATAPLANE_SOAK=1, or left to a ``-m`` naming them."""
+    return SOAK or "soak" in (config.getoption("markexpr") or "")
+
+
 def pytest_report_header(config: pytest.Config) -> str:
-    return f"hypothesis profile: {settings.get_current_profile_name()}; soak tests: {'run' if SOAK else 'deselected'}"
+    soak = "selected" if _soak(config) else "deselected (DATAPLANE_SOAK=1 or -m soak selects them)"
+    return f"hypothesis profile: {settings.get_current_profile_name()}; soak tests: {soak}"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip tests whose backend is not installed (by marker); deselect soak tests unless asked for."""
+    soak = _soak(config)
     kept: list[pytest.Item] = []
     dropped: list[pytest.Item] = []
     for item in items:
-        if item.get_closest_marker("soak") is not None and not SOAK:
+        if item.get_closest_marker("soak") is not None and not soak:
             dropped.append(item)
             continue
         for marker, reason in _MISSING.items():
