@@ -1,11 +1,10 @@
-"""The README's example runs, and the benchmark's JSON matches its documented schema."""
+"""Benchmark smoke runs: each benchmark runs, and the JSON it writes matches its documented schema."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,15 +24,6 @@ def _mooncake(url: str) -> Any:
     return pytest.param(
         url, marks=[pytest.mark.mooncake, pytest.mark.skipif(missing, reason="Mooncake is not installed")]
     )
-
-
-def test_readme_example_runs() -> None:
-    text = (ROOT / "README.md").read_text()
-    block = re.search(r"```python\n(import torch, dataplane.*?)```", text, re.S)
-    assert block is not None, "README lost its usage example"
-    out = subprocess.run([sys.executable, "-c", block.group(1)], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stderr
-    assert "torch.Size([3, 8])" in out.stdout
 
 
 def _run_bench(tmp_path: Path, *args: str) -> tuple[dict[str, Any], str]:
