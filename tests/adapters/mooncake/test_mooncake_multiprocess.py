@@ -31,12 +31,7 @@ pytestmark = [
     ),
 ]
 
-# Writers, readers and owners run in processes forked from a forkserver that has imported torch and
-# dataplane once: each is a fresh process with its own Mooncake client, started in a fraction of a
-# second instead of the 5+ CPU-seconds a spawned interpreter spends on those imports. (Not this
-# module: the forkserver does not get the sys.path entry pytest adds for it; each child imports it.)
-CTX = mp.get_context("forkserver")
-CTX.set_forkserver_preload(["torch", "dataplane", "dataplane.testing", "pytest"])
+CTX = mp.get_context("forkserver")  # fresh processes, each with its own Mooncake client (tests/conftest.py)
 
 
 def _batch(seed: int, n: int = 16) -> tuple[list[str], dict[str, Any]]:
