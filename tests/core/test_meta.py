@@ -8,13 +8,11 @@ from dataclasses import replace
 
 import msgpack
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from dataplane.errors import InvalidArgument, SchemaError
 from dataplane.meta import KVBatchMeta, trusted_meta
-
-FAST = settings(max_examples=80, deadline=None, derandomize=True)
 
 
 @st.composite
@@ -39,7 +37,6 @@ def _aligned(m: KVBatchMeta) -> None:
 
 
 @given(metas(), st.data())
-@FAST
 def test_transforms_keep_rows_aligned(m: KVBatchMeta, data: st.DataObject) -> None:
     n = len(m)
     idx = data.draw(st.lists(st.integers(0, max(n - 1, 0)), unique=True, max_size=n)) if n else []
@@ -55,7 +52,6 @@ def test_transforms_keep_rows_aligned(m: KVBatchMeta, data: st.DataObject) -> No
 
 
 @given(metas())
-@FAST
 def test_serialisation_round_trips(m: KVBatchMeta) -> None:
     assert KVBatchMeta.from_dict(m.to_dict()) == m
     assert pickle.loads(pickle.dumps(m)) == m
@@ -103,7 +99,6 @@ def test_meta_is_frozen_and_copies_inputs() -> None:
 
 
 @given(metas())
-@FAST
 def test_trusted_meta_is_the_meta_its_checked_parts_make(m: KVBatchMeta) -> None:
     parts = {f.name: getattr(m, f.name) for f in dataclasses.fields(KVBatchMeta)}
     assert parts.pop("extra_info") == {"pad": 8} and parts.pop("task_name") is None  # set by no put

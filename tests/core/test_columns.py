@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
@@ -15,8 +15,6 @@ from dataplane.client import DataPlaneClient
 from dataplane.columns import first_write, read_columns, write_columns
 from dataplane.errors import InvalidArgument, KeyNotFound, SchemaError
 from dataplane.preshard import restore_order, shard_meta_for_dp
-
-FAST = settings(max_examples=40, deadline=None, derandomize=True)
 
 
 @pytest.fixture
@@ -53,7 +51,6 @@ TOKEN_FIELDS = ["input_ids", "old_logprobs", "hidden"]
     ),
     st.sampled_from([1, 8]),
 )
-@FAST
 def test_first_write_then_padded_read_is_the_input(case: tuple[int, list[int]], multiple: int) -> None:
     group, lengths = case
     lengths = lengths[: len(lengths) // group * group]

@@ -88,7 +88,7 @@ def test_index_key_parsing() -> None:
 
 
 @given(listings=st.lists(st.sets(st.integers(0, 39)), max_size=12))
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300)  # cheap examples
 def test_listed_puts_across_listings_match_parsing_each_listing(listings: list[set[int]]) -> None:
     """Listings that gain and lose lines (puts, clears), with index keys of this partition, of
     another one, and keys of other shapes: what ListedPuts keeps is what parsing each listing
@@ -270,7 +270,7 @@ _ops = st.lists(
 
 
 @given(ops=_ops)
-@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(max_examples=300, suppress_health_check=list(HealthCheck))  # cheap examples
 def test_fold_and_gc_match_a_dict_model(ops: list[tuple[str, list[str], list[str], bool]]) -> None:
     """Folding equals a plain model (rows, fields, merged tags); removing what a clear plans to
     collect never changes a read or a listing."""

@@ -26,7 +26,7 @@ class TestMemoryConformance(ClientConformance):
 _shared = dataplane.connect("memory://state-machine")
 TestMemoryStateMachine = make_state_machine(lambda: _shared).TestCase
 TestMemoryStateMachine.settings = settings(
-    max_examples=40, stateful_step_count=20, deadline=None, suppress_health_check=list(HealthCheck)
+    max_examples=40, stateful_step_count=20, suppress_health_check=list(HealthCheck)
 )
 
 
@@ -47,7 +47,7 @@ _mem_ops = st.lists(
 
 
 @given(ops=_mem_ops)
-@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(max_examples=200, suppress_health_check=list(HealthCheck))
 def test_memory_store_counts_exactly_the_rows_and_bytes_still_read(ops: list[tuple[str, list[str], list[str]]]) -> None:
     """After any puts (rewriting some fields of some rows) and clears, the store counts the live
     keys and the bytes of exactly those stored columns some live row still reads, and reads and

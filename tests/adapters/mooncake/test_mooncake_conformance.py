@@ -99,9 +99,7 @@ def _shared(shm: bool) -> DataPlaneClient:
     return _SHARED[shm]
 
 
-_SETTINGS = settings(
-    max_examples=40, stateful_step_count=20, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True
-)
+_SETTINGS = settings(max_examples=40, stateful_step_count=20, suppress_health_check=list(HealthCheck))
 TestMooncakeStateMachineShm = make_state_machine(lambda: _shared(True)).TestCase
 TestMooncakeStateMachineShm.settings = _SETTINGS
 TestMooncakeStateMachineTcp = make_state_machine(lambda: _shared(False)).TestCase

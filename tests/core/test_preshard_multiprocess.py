@@ -109,7 +109,7 @@ def test_planned_microbatches_run_in_lockstep(tmp_path: Path) -> None:
         assert any(len(set(c)) > 1 for c in naive), f"local packing (balanced={balanced}) should differ across ranks"
 
     ctx = mp.start_processes(
-        _rank_main, args=(_free_port(), shard_bytes, str(tmp_path)), nprocs=WORLD, join=False, start_method="spawn"
+        _rank_main, args=(_free_port(), shard_bytes, str(tmp_path)), nprocs=WORLD, join=False, start_method="forkserver"
     )
     deadline = time.monotonic() + DEADLINE_S
     try:

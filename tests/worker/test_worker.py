@@ -1,10 +1,10 @@
 """Worker mixin: fetch policies, leader failure propagation, leader-only write-back, microbatches.
 
-The multi-process tests spawn real processes (spawn context) that form a gloo group of 4: two
+The multi-process tests start real processes (forked from a forkserver) that form a gloo group of 4: two
 replica groups of two ranks ({0, 1} and {2, 3}), each made with ``new_group`` on every rank. There
 is no cross-process store yet, so each rank opens its own ``memory://`` store and fills it
 deterministically with the same rows: every rank sees the same data, as it would through a shared
-store. ``tests/test_worker_gpu.py`` runs the same scenarios over NCCL.
+store. ``tests/worker/test_worker_gpu.py`` runs the same scenarios over NCCL.
 """
 
 from __future__ import annotations
@@ -317,8 +317,10 @@ def free_port() -> int:
 
 
 def run_group(world: int, backend: str, names: Sequence[str], timeout_s: float = 150.0) -> dict[int, dict[str, Any]]:
-    """Spawn ``world`` ranks running the named scenarios; return each rank's results."""
-    ctx = mp.get_context("spawn")
+    """Start ``world`` ranks running the named scenarios; return each rank's results. Gloo ranks are
+    forked from the forkserver (tests/conftest.py); NCCL ranks are spawned, each a fresh interpreter
+    that starts CUDA."""
+    ctx = mp.get_context("forkserver" if backend == "gloo" else "spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=rank_main, args=(r, world, port, backend, results, names)) for r in range(world)]

@@ -31,7 +31,7 @@ pytestmark = [
     ),
 ]
 
-CTX = mp.get_context("spawn")
+CTX = mp.get_context("forkserver")  # fresh processes, each with its own Mooncake client (tests/conftest.py)
 
 
 def _batch(seed: int, n: int = 16) -> tuple[list[str], dict[str, Any]]:
@@ -211,14 +211,13 @@ def _churn_reader(url: str, seconds: float, scale: int, conn: Connection) -> Non
     conn.send((rows, missing, bad))
 
 
-@pytest.mark.parametrize("scale", [1, 400], ids=["short-rows", "long-rows"])
-def test_reads_are_never_torn_while_rows_are_rewritten_and_cleared(owner: StoreClient, scale: int) -> None:
-    """Two writer processes rewrite the same keys, a third clears them, a fourth reads. A clear frees
-    objects that a read may be in the middle of and a put fills the space at once: every row read
-    must still be one that a put wrote, whole. Long rows (up to 5,200 tokens) make the reads take the
-    paths of large buffers: registered pool memory, and ranged reads over TCP."""
+CHURN_SECONDS = 5.0  # per case in CI; test_churn_soak runs the same for SOAK_CHURN_SECONDS
+SOAK_CHURN_SECONDS = 60.0
+
+
+def _churn(owner: StoreClient, scale: int, seconds: float) -> None:
     url = owner.store.join_url  # type: ignore[attr-defined]
-    seconds = 5.0
+    owner.kv_clear(partition_id="churn")  # nothing left over from an earlier case that failed
     jobs: list[tuple[Callable[..., None], tuple[Any, ...]]] = [
         (_churn_writer, (url, 0, seconds, scale)),
         (_churn_writer, (url, 1, seconds, scale)),
@@ -228,6 +227,23 @@ def test_reads_are_never_torn_while_rows_are_rewritten_and_cleared(owner: StoreC
     assert bad is None, f"a torn or foreign row was read: {bad}"
     assert puts_a and puts_b and clears and rows, answers  # every role made progress
     owner.kv_clear(partition_id="churn")
+
+
+@pytest.mark.parametrize("scale", [1, 400], ids=["short-rows", "long-rows"])
+def test_reads_are_never_torn_while_rows_are_rewritten_and_cleared(owner: StoreClient, scale: int) -> None:
+    """Two writer processes rewrite the same keys, a third clears them, a fourth reads. A clear frees
+    objects that a read may be in the middle of and a put fills the space at once: every row read
+    must still be one that a put wrote, whole. Long rows (up to 5,200 tokens) make the reads take the
+    paths of large buffers: registered pool memory, and ranged reads over TCP."""
+    _churn(owner, scale, CHURN_SECONDS)
+
+
+@pytest.mark.soak
+@pytest.mark.slow
+@pytest.mark.parametrize("scale", [1, 400], ids=["short-rows", "long-rows"])
+def test_churn_soak(owner: StoreClient, scale: int) -> None:
+    """The churn above for a minute per case: rarer interleavings of clear, put and read."""
+    _churn(owner, scale, SOAK_CHURN_SECONDS)
 
 
 def _error_within(call: Callable[[], object], seconds: float) -> tuple[BaseException | None, float]:

@@ -1,4 +1,4 @@
-"""The README's example runs, and one smoke run of every maintained benchmark checks its output.
+"""One smoke run of every maintained benchmark checks its output.
 
 Each smoke run is as small as still exercises each contender (every installed backend, raw, ceilings)
 and checks what the benchmark reports (schema, reads checked bit-exact inside the benchmark, which
@@ -11,7 +11,6 @@ import importlib
 import importlib.util
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,16 +19,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def test_readme_example_runs() -> None:
-    text = (ROOT / "README.md").read_text()
-    block = re.search(r"```python\n(import torch, dataplane.*?)```", text, re.S)
-    assert block is not None, "README lost its usage example"
-    out = subprocess.run([sys.executable, "-c", block.group(1)], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stderr
-    assert "torch.Size([3, 8])" in out.stdout
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(module: str, *args: str, timeout: int = 600) -> str:

@@ -7,26 +7,20 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from conftest_tq import ray_for_module, requires_mooncake, requires_tq
 
 import dataplane
 from dataplane.adapters.transfer_queue._deploy_config import CONTROLLER_NAME, STORAGE_UNIT_NAME, TQ_NAMESPACE
 from dataplane.errors import BackendUnavailable, CapacityExceeded, DataPlaneTimeout
 
-pytestmark = [pytest.mark.tq, pytest.mark.slow, requires_tq]
+pytestmark = [pytest.mark.tq, pytest.mark.slow]
 
 TIMEOUT_S = 6.0
 SLACK_S = 3.0  # scheduling noise on a loaded 2-core box
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    yield from ray_for_module()
 
 
 def _pid_of(actor: Any) -> int:
@@ -126,7 +120,7 @@ def test_simple_capacity_dead_unit_dead_controller_teardown(ray_cluster: None) -
     assert not any(_actor_exists(STORAGE_UNIT_NAME.format(i)) for i in range(2))
 
 
-@requires_mooncake
+@pytest.mark.mooncake
 def test_mooncake_capacity_teardown_and_foreign_master(ray_cluster: None) -> None:
     import ray
 

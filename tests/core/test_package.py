@@ -190,7 +190,7 @@ def test_copy_bytes_is_exact_for_any_size_and_dtype(monkeypatch: pytest.MonkeyPa
     index=st.sampled_from([None, 0, 1 << 30]),
     block=st.sampled_from([1, 5, 1 << 20]),
 )
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=400)  # cheap examples, wide inputs
 def test_copy_spans_matches_a_loop_of_slice_copies(
     spans: list[tuple[int, int, int, int]],
     sources: int,

@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from dataplane.codec import (
@@ -25,8 +25,6 @@ from dataplane.codec.objects import decode_objects, encode_objects
 from dataplane.errors import InvalidArgument, SchemaError
 from dataplane.testing.strategies import ALL_DTYPES, bit_exact, object_values, random_tensor
 
-FAST = settings(max_examples=60, deadline=None, derandomize=True)
-
 
 @st.composite
 def padded_batches(draw: st.DrawFn) -> tuple[torch.Tensor, list[int], int]:
@@ -39,7 +37,6 @@ def padded_batches(draw: st.DrawFn) -> tuple[torch.Tensor, list[int], int]:
 
 
 @given(padded_batches())
-@FAST
 def test_pack_then_materialize_is_identity(batch: tuple[torch.Tensor, list[int], int]) -> None:
     padded, lens, extra = batch
     values, offsets = pack(padded, lens)
@@ -53,7 +50,6 @@ def test_pack_then_materialize_is_identity(batch: tuple[torch.Tensor, list[int],
 
 
 @given(padded_batches())
-@FAST
 def test_pack_gathers_into_the_given_buffer(batch: tuple[torch.Tensor, list[int], int]) -> None:
     padded, lens, _ = batch
     made: list[torch.Tensor] = []
@@ -72,7 +68,6 @@ def test_pack_gathers_into_the_given_buffer(batch: tuple[torch.Tensor, list[int]
 
 
 @given(padded_batches(), st.integers(1, 8), st.sampled_from([0, -1, 3]))
-@FAST
 def test_materialize_padding_rules(batch: tuple[torch.Tensor, list[int], int], multiple: int, pad: int) -> None:
     padded, lens, _ = batch
     if padded.dtype in (torch.bool,) or padded.dtype.is_complex or (padded.dtype.itemsize == 1 and pad < 0):
@@ -86,7 +81,6 @@ def test_materialize_padding_rules(batch: tuple[torch.Tensor, list[int], int], m
 
 
 @given(st.lists(st.integers(0, 30), min_size=1, max_size=12), st.sampled_from(ALL_DTYPES))
-@FAST
 def test_nested_round_trip(lens: list[int], dtype: torch.dtype) -> None:
     rows = [random_tensor((n, 3), dtype, n) for n in lens]
     nt = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
@@ -102,7 +96,6 @@ def test_nested_round_trip(lens: list[int], dtype: torch.dtype) -> None:
 
 
 @given(st.lists(st.integers(0, 30), min_size=1, max_size=12), st.sampled_from(ALL_DTYPES))
-@FAST
 def test_to_nested_matches_torch_constructor(lens: list[int], dtype: torch.dtype) -> None:
     values = random_tensor((sum(lens), 2), dtype, 7)
     offsets = offsets_from_lengths(lens)
@@ -183,7 +176,6 @@ def test_pack_validates() -> None:
 
 
 @given(st.lists(object_values, min_size=1, max_size=10))
-@FAST
 def test_objects_round_trip_msgpack(rows: list[object]) -> None:
     values, offsets = encode_objects("f", rows, "msgpack")
     assert values.dtype == torch.uint8

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-from conftest_tq import ray_for_module, requires_mooncake, requires_tq
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
@@ -19,12 +18,7 @@ import dataplane
 from dataplane.client import DataPlaneClient
 from dataplane.testing import ClientConformance, make_state_machine
 
-pytestmark = [pytest.mark.tq, requires_tq]
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    yield from ray_for_module()
+pytestmark = [pytest.mark.tq]
 
 
 class _TQConformance(ClientConformance):
@@ -43,13 +37,7 @@ class _TQConformance(ClientConformance):
     def test_state_machine(self, client: DataPlaneClient) -> None:
         run_state_machine_as_test(
             make_state_machine(lambda: client),
-            settings=settings(
-                max_examples=12,
-                stateful_step_count=8,
-                deadline=None,
-                derandomize=True,
-                suppress_health_check=list(HealthCheck),
-            ),
+            settings=settings(max_examples=12, stateful_step_count=8, suppress_health_check=list(HealthCheck)),
         )
 
     def test_round_trips(self, client: DataPlaneClient) -> None:
@@ -116,6 +104,6 @@ class TestTQSimpleConformance(_TQConformance):
     url = "tq://?backend=simple&timeout_s=60"
 
 
-@requires_mooncake
+@pytest.mark.mooncake
 class TestTQMooncakeConformance(_TQConformance):
     url = f"tq://?backend=mooncake&timeout_s=60&segment_bytes={512 << 20}"

@@ -1,4 +1,4 @@
-"""Worker mixin over NCCL: the scenarios of ``tests/test_worker.py`` on 2-4 GPUs, one process per GPU.
+"""Worker mixin over NCCL: the scenarios of ``tests/worker/test_worker.py`` on 2-4 GPUs, one process per GPU.
 
 Replica groups of two ranks (``new_group`` on every rank), each rank with its own ``memory://`` store
 filled deterministically with the same rows (no cross-process store yet). Timings: ``python -m

@@ -12,14 +12,13 @@ from typing import Any
 
 import pytest
 import torch
-from conftest_tq import ray_for_module, requires_mooncake, requires_tq
 
 import dataplane
 from dataplane.client import DataPlaneClient
 from dataplane.meta import KVBatchMeta
 from dataplane.testing.strategies import bit_exact, random_tensor
 
-pytestmark = [pytest.mark.tq, pytest.mark.multiprocess, requires_tq]
+pytestmark = [pytest.mark.tq, pytest.mark.multiprocess]
 
 FIELDS = ["ids", "logp", "adv", "mask", "msg"]
 
@@ -62,11 +61,6 @@ def check(got: dict[str, Any], keys: list[str], fields: dict[str, Any]) -> None:
     for f in ("adv", "mask"):
         assert bit_exact(got[f], fields[f]), f
     assert got["msg"] == fields["msg"]
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    yield from ray_for_module()
 
 
 def _worker_class() -> Any:
@@ -161,6 +155,6 @@ class TestTQSimpleMultiprocess(_Multiprocess):
     url = "tq://?backend=simple&timeout_s=60"
 
 
-@requires_mooncake
+@pytest.mark.mooncake
 class TestTQMooncakeMultiprocess(_Multiprocess):
     url = f"tq://?backend=mooncake&timeout_s=60&segment_bytes={256 << 20}"

@@ -44,7 +44,7 @@ from dataplane.meta import KVBatchMeta
 from dataplane.store_client import StoreClient
 from dataplane.testing.strategies import bit_exact
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None
 needs_mooncake = [
     pytest.mark.mooncake,
@@ -409,7 +409,7 @@ class TestMooncakeAdapter:
         finally:
             other.kv_clear(partition_id=pid)
 
-    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(
         ops=st.lists(
             st.tuples(

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
@@ -17,7 +17,6 @@ from dataplane.errors import InvalidArgument, SchemaError
 from dataplane.meta import KVBatchMeta
 from dataplane.preshard import ShardPlan, plan_shards, restore_order, shard_meta_for_dp
 
-FAST = settings(max_examples=120, deadline=None, derandomize=True)
 DISTS = ("lognormal", "equal", "one_huge", "many_zeros", "ascending", "descending", "uniform", "bimodal")
 
 
@@ -106,7 +105,6 @@ def check_shards(meta: KVBatchMeta, shards: list[KVBatchMeta], dp: int, opts: di
 
 # -- properties ------------------------------------------------------------------------------------
 @given(batches(), st.integers(1, 64), st.data())
-@FAST
 def test_every_row_in_one_shard_and_plans_hold(lengths: list[int], dp: int, data: st.DataObject) -> None:
     meta = meta_of(lengths)
     opts = options(data.draw, lengths)
@@ -114,7 +112,6 @@ def test_every_row_in_one_shard_and_plans_hold(lengths: list[int], dp: int, data
 
 
 @given(batches(), st.integers(1, 64), st.integers(1, 20000), st.booleans())
-@FAST
 def test_budget_gives_equal_microbatch_counts(lengths: list[int], dp: int, budget: int, equal: bool) -> None:
     meta = meta_of(lengths)
     opts = {"max_tokens_per_microbatch": budget, "equal_rows": equal}
@@ -122,7 +119,6 @@ def test_budget_gives_equal_microbatch_counts(lengths: list[int], dp: int, budge
 
 
 @given(batches(max_rows=1024), st.integers(1, 64), st.data())
-@FAST
 def test_restore_order_inverts_the_split(lengths: list[int], dp: int, data: st.DataObject) -> None:
     meta = meta_of(lengths)
     shards = shard_meta_for_dp(meta, dp, **options(data.draw, lengths))
@@ -139,7 +135,6 @@ def test_restore_order_inverts_the_split(lengths: list[int], dp: int, data: st.D
 
 
 @given(batches(), st.integers(1, 64), st.data())
-@FAST
 def test_deterministic(lengths: list[int], dp: int, data: st.DataObject) -> None:
     opts = options(data.draw, lengths)
     first = [s.to_dict() for s in shard_meta_for_dp(meta_of(lengths), dp, **opts)]
@@ -148,7 +143,6 @@ def test_deterministic(lengths: list[int], dp: int, data: st.DataObject) -> None
 
 
 @given(batches(), st.integers(1, 64), st.one_of(st.none(), st.integers(1, 20000)))
-@FAST
 def test_equal_rows(lengths: list[int], dp: int, budget: int | None) -> None:
     shards = shard_meta_for_dp(meta_of(lengths), dp, equal_rows=True, max_tokens_per_microbatch=budget)
     counts = [s.size for s in shards]
@@ -160,7 +154,6 @@ def test_equal_rows(lengths: list[int], dp: int, budget: int | None) -> None:
 
 
 @given(batches(), st.integers(1, 64), st.booleans())
-@FAST
 def test_imbalance_within_stated_bound(lengths: list[int], dp: int, equal: bool) -> None:
     plan = plan_shards(lengths, dp, equal_rows=equal)
     mean = sum(lengths) / dp
@@ -172,7 +165,6 @@ def test_imbalance_within_stated_bound(lengths: list[int], dp: int, equal: bool)
 
 
 @given(st.lists(st.integers(0, 100), min_size=1, max_size=9), st.integers(2, 3))
-@settings(max_examples=60, deadline=None, derandomize=True)
 def test_graham_bound_against_brute_force(lengths: list[int], dp: int) -> None:
     best = min(
         max(sum(x for x, g in zip(lengths, labels, strict=True) if g == r) for r in range(dp))

@@ -1,0 +1,79 @@
+"""Shared test configuration: hypothesis profiles, skips for absent backends, and soak selection.
+
+Hypothesis profiles (``HYPOTHESIS_PROFILE`` picks one; otherwise ``ci`` where ``CI`` is set, else ``dev``):
+
+- ``dev``: hypothesis' default budget, a fresh random search each run.
+- ``ci``: fewer examples and derandomised, so a CI run is repeatable and bounded.
+
+Both have no deadline: a shared 2-core host makes single examples slow now and then.
+
+Tests marked ``soak`` (long variants of churn tests) are deselected unless ``DATAPLANE_SOAK=1`` or a
+``-m`` expression names ``soak`` (see ``tests/README.md``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("dev", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "ci",
+    max_examples=30,
+    derandomize=True,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
+
+# Tests that start processes (not GPU ranks) fork them from one forkserver that has imported these once:
+# a fresh process with nothing started in it, ready in a fraction of a second instead of the 5+
+# CPU-seconds a spawned interpreter spends importing torch and dataplane. (The forkserver does not see
+# the sys.path entries pytest adds, so test modules themselves are imported by each child.)
+multiprocessing.set_forkserver_preload(["torch", "dataplane", "dataplane.testing", "pytest"])
+
+SOAK = os.environ.get("DATAPLANE_SOAK", "") not in ("", "0")
+
+# marker -> the modules it needs and how to get them
+_NEEDS = {
+    "mooncake": (("mooncake",), "needs Mooncake Store (pip install 'dataplane[mooncake]')"),
+    "tq": (("transfer_queue", "ray"), "needs TransferQueue and Ray (pip install 'dataplane[tq]')"),
+}
+_MISSING = {
+    marker: reason
+    for marker, (modules, reason) in _NEEDS.items()
+    if any(importlib.util.find_spec(m) is None for m in modules)
+}
+
+
+def _soak(config: pytest.Config) -> bool:
+    """Whether soak tests are collected: asked for by DATAPLANE_SOAK=1, or left to a ``-m`` naming them."""
+    return SOAK or "soak" in (config.getoption("markexpr") or "")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    soak = "selected" if _soak(config) else "deselected (DATAPLANE_SOAK=1 or -m soak selects them)"
+    return f"hypothesis profile: {settings.get_current_profile_name()}; soak tests: {soak}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip tests whose backend is not installed (by marker); deselect soak tests unless asked for."""
+    soak = _soak(config)
+    kept: list[pytest.Item] = []
+    dropped: list[pytest.Item] = []
+    for item in items:
+        if item.get_closest_marker("soak") is not None and not soak:
+            dropped.append(item)
+            continue
+        for marker, reason in _MISSING.items():
+            if item.get_closest_marker(marker) is not None:
+                item.add_marker(pytest.mark.skip(reason=reason))
+        kept.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
