@@ -29,7 +29,7 @@ try:
 except ImportError:  # Python 3.10
     pytest.skip("reading the example's pyproject.toml needs Python 3.11+ (tomllib)", allow_module_level=True)
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "third_party_adapter"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "third_party_adapter"
 GROUP = "dataplane.adapters"
 
 
