@@ -1,8 +1,9 @@
-"""Fixtures of the ``tq://`` tests: one local Ray per test module.
+"""Fixtures of the ``tq://`` tests: one local Ray for all of them.
 
-TransferQueue needs a Ray with spare CPUs (the controller and each storage unit take one). A module
-that asks for ``ray_cluster`` starts one with 8 logical CPUs, shared by its tests, and stops it at
-the end if it started it. (Tests marked ``tq`` or ``mooncake`` are skipped where the package is
+TransferQueue needs a Ray with spare CPUs (the controller and each storage unit take one). The first
+test that asks for ``ray_cluster`` starts one with 8 logical CPUs, shared by every ``tq://`` test
+module (each test or class runs its own deployment on it), and it stops at the end of the session
+if this fixture started it. (Tests marked ``tq`` or ``mooncake`` are skipped where the package is
 missing: see ``tests/conftest.py``.)
 """
 
@@ -18,9 +19,9 @@ ROOT = Path(__file__).resolve().parents[3]
 HERE = Path(__file__).resolve().parent
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[None]:
-    """A local Ray for this module's tests (its workers import these test modules: they are on their path)."""
+    """A local Ray for the tq:// tests (its workers import these test modules: they are on their path)."""
     import ray
 
     started = not ray.is_initialized()
