@@ -19,6 +19,9 @@ On a failed put (a storage error, a timeout) the keys the put created are remove
 existed before keep their tags and their other fields, but each field the put was writing may hold
 its old or its new value on each of them (TQ has no transactions): re-write or clear them.
 
+User guide (options, deployment, limits): ``docs/backends/transfer_queue.md``; the layout inside
+TransferQueue: ``docs/design/transfer-queue-layout.md``.
+
 >>> import dataplane  # doctest: +SKIP
 >>> with dataplane.connect("tq://?backend=simple") as client:  # doctest: +SKIP
 ...     meta = client.kv_batch_put(["a", "b"], {"x": torch.zeros(2, 3)}, partition_id="train")
