@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any, TypeVar
@@ -20,7 +20,7 @@ from dataplane.errors import BackendUnavailable, InvalidArgument
 
 _T = TypeVar("_T")
 
-__all__ = ["AdapterSpec", "available_adapters", "connect", "register_adapter"]
+__all__ = ["AdapterSpec", "available_adapters", "check_options", "connect", "register_adapter", "url_bool", "url_option"]
 
 ENTRY_POINT_GROUP = "dataplane.adapters"
 
@@ -121,6 +121,23 @@ def url_option(url: str, key: str, raw: str, convert: Callable[[str], _T]) -> _T
         return convert(raw)
     except (ValueError, OverflowError) as e:
         raise InvalidArgument(f"option {key}={raw!r} of {url!r} is not valid: {e}") from None
+
+
+def check_options(scheme: str, given: Iterable[str], known: Iterable[str], *, how: str = "option") -> None:
+    """Raise ``InvalidArgument`` naming every option of ``given`` that is not in ``known``, and listing
+    the valid ones: one message for an unknown URL query parameter and an unknown keyword alike.
+
+    >>> check_options("memory", ["capacity_byte"], ["capacity_bytes", "name"])
+    Traceback (most recent call last):
+    ...
+    dataplane.errors.InvalidArgument: unknown memory:// option 'capacity_byte'; valid options: capacity_bytes, name
+    """
+    valid = sorted(set(known))
+    unknown = [k for k in given if k not in valid]
+    if unknown:
+        names = ", ".join(repr(k) for k in unknown)
+        plural = "s" if len(unknown) > 1 else ""
+        raise InvalidArgument(f"unknown {scheme}:// {how}{plural} {names}; valid options: {', '.join(valid)}")
 
 
 def _scheme_of(url_or_config: Any) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
@@ -28,7 +28,7 @@ from dataplane.codec.jagged import offsets_from_lengths
 from dataplane.codec.wire import Column
 from dataplane.errors import CapacityExceeded, DataPlaneTimeout, InvalidArgument, missing_rows_error
 from dataplane.meta import KVBatchMeta
-from dataplane.registry import url_option
+from dataplane.registry import check_options, url_option
 from dataplane.schema import FieldSchema, check_compatible
 from dataplane.storage import KVStore
 from dataplane.store_client import StoreClient
@@ -60,6 +60,9 @@ class MemoryConfig:
         if parsed.scheme != "memory":
             raise InvalidArgument(f"not a memory:// URL: {url!r}")
         query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
+        known = [f.name for f in fields(cls)]
+        check_options("memory", query, [k for k in known if k != "name"])  # the name is the URL's host
+        check_options("memory", options, known, how="keyword")
         values: dict[str, Any] = {}
         for key, raw in query.items():
             if key in ("capacity_bytes", "capacity_rows"):
@@ -68,8 +71,6 @@ class MemoryConfig:
                 values[key] = url_option(url, key, raw, float)
             elif key == "pickle_fields":
                 values[key] = tuple(x for x in raw.split(",") if x)
-            else:
-                raise InvalidArgument(f"unknown memory:// option {key!r}; known: {sorted(cls.__dataclass_fields__)}")
         name = (parsed.netloc + parsed.path).strip("/") or None
         return cls(name=name, **{**values, **options})
 
@@ -485,7 +486,8 @@ class _SharedRef(KVStore):
 def connect(url_or_config: str | MemoryConfig | None = None, **options: Any) -> StoreClient:
     """Open a ``memory://`` client (see :class:`MemoryConfig` for options)."""
     if isinstance(url_or_config, MemoryConfig):
-        cfg = url_or_config
+        check_options("memory", options, [f.name for f in fields(MemoryConfig)], how="keyword")
+        cfg = replace(url_or_config, **options)
     else:
         cfg = MemoryConfig.from_url(url_or_config or "memory://", **options)
     store: KVStore

@@ -10,7 +10,7 @@ import os
 import re
 import socket
 import uuid
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 from urllib.parse import parse_qs, urlparse
 
@@ -20,7 +20,7 @@ from dataplane.adapters.mooncake._index import check_ns
 from dataplane.adapters.mooncake._servers import StoreServerHandle, start_real_client, start_store_server
 from dataplane.adapters.mooncake._store import MooncakeStore
 from dataplane.errors import BackendUnavailable, InvalidArgument
-from dataplane.registry import url_bool, url_option
+from dataplane.registry import check_options, url_bool, url_option
 from dataplane.store_client import StoreClient
 
 __all__ = ["LocalDeployment", "MooncakeConfig", "connect", "parse_bytes"]
@@ -111,11 +111,12 @@ class MooncakeConfig:
         if parsed.scheme != "mooncake":
             raise InvalidArgument(f"not a mooncake:// URL: {url!r}")
         values: dict[str, Any] = {}
-        known = {f.name: f for f in fields(cls)}
-        for key, raw_list in parse_qs(parsed.query).items():
+        known = [f.name for f in fields(cls)]
+        query = parse_qs(parsed.query)
+        check_options("mooncake", query, [k for k in known if k != "master"])  # the master is the URL's host
+        check_options("mooncake", options, known, how="keyword")
+        for key, raw_list in query.items():
             raw = raw_list[-1]
-            if key not in known or key == "master":
-                raise InvalidArgument(f"unknown mooncake:// option {key!r}; known: {sorted(set(known) - {'master'})}")
             if key.endswith("_bytes"):
                 values[key] = parse_bytes(raw)
             elif key in ("metrics_port", "client_ttl_s"):
@@ -188,7 +189,8 @@ def _announce_address(master_host: str, master_port: int) -> str:
 def connect(url_or_config: str | MooncakeConfig | None = None, **options: Any) -> StoreClient:
     """Open a ``mooncake://`` client (see :class:`MooncakeConfig` and the package docstring)."""
     if isinstance(url_or_config, MooncakeConfig):
-        cfg = url_or_config
+        check_options("mooncake", options, [f.name for f in fields(MooncakeConfig)], how="keyword")
+        cfg = replace(url_or_config, **options)
     else:
         cfg = MooncakeConfig.from_url(url_or_config or "mooncake://local", **options)
     apply_client_env_defaults()

@@ -8,7 +8,7 @@ import logging
 import sys
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar, Literal
 from urllib.parse import parse_qs, urlparse
 
@@ -27,7 +27,7 @@ from dataplane.errors import (
     InvalidArgument,
 )
 from dataplane.meta import KVBatchMeta
-from dataplane.registry import url_option
+from dataplane.registry import check_options, url_option
 from dataplane.storage import KVStore
 from dataplane.store_client import StoreClient
 
@@ -93,8 +93,12 @@ class TQConfig:
         parsed = urlparse(url)
         if parsed.scheme != "tq":
             raise InvalidArgument(f"not a tq:// URL: {url!r}")
+        query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
+        known = [f.name for f in fields(cls)]
+        check_options("tq", query, known)
+        check_options("tq", options, known, how="keyword")
         values: dict[str, Any] = {}
-        for key, raw in ((k, v[-1]) for k, v in parse_qs(parsed.query).items()):
+        for key, raw in query.items():
             if key in ("units", "capacity_rows", "segment_bytes", "worker_segment_bytes", "num_cpus"):
                 values[key] = url_option(url, key, raw, lambda r: int(float(r)))
             elif key in ("timeout_s", "init_timeout_s"):
@@ -103,8 +107,8 @@ class TQConfig:
                 values[key] = tuple(x for x in raw.split(",") if x)
             elif key in ("backend", "master", "ray_address"):
                 values[key] = raw or None
-            else:
-                raise InvalidArgument(f"unknown tq:// option {key!r}; known: {sorted(cls.__dataclass_fields__)}")
+            else:  # an option only a config object or a keyword can set
+                raise InvalidArgument(f"tq:// option {key!r} cannot be given in the URL; pass it as a keyword")
         if parsed.netloc:
             values.setdefault("ray_address", parsed.netloc)
         return cls(**{**values, **options})
@@ -300,9 +304,8 @@ def connect(url_or_config: str | TQConfig | None = None, **options: Any) -> Stor
     cluster already runs one (then it attaches); ``connect("tq://")`` only attaches.
     """
     if isinstance(url_or_config, TQConfig):
-        cfg = url_or_config
-        if options:
-            cfg = TQConfig(**{**{f: getattr(cfg, f) for f in cfg.__dataclass_fields__}, **options})
+        check_options("tq", options, [f.name for f in fields(TQConfig)], how="keyword")
+        cfg = replace(url_or_config, **options)
     else:
         cfg = TQConfig.from_url(url_or_config or "tq://", **options)
     store = TQStore(cfg)
