@@ -20,7 +20,15 @@ from dataplane.errors import BackendUnavailable, InvalidArgument
 
 _T = TypeVar("_T")
 
-__all__ = ["AdapterSpec", "available_adapters", "check_options", "connect", "register_adapter", "url_bool", "url_option"]
+__all__ = [
+    "AdapterSpec",
+    "available_adapters",
+    "check_options",
+    "connect",
+    "register_adapter",
+    "url_bool",
+    "url_option",
+]
 
 ENTRY_POINT_GROUP = "dataplane.adapters"
 
