@@ -55,7 +55,10 @@ def _rows(name: str, value: Iterable[Any] | None, n: int) -> tuple[Any, ...] | N
     return out
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+_REPR_KEYS = 3  # keys a repr shows
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, repr=False)
 class KVBatchMeta:
     """Keys of a batch of rows in one partition, plus what the driver knows about them.
 
@@ -114,6 +117,24 @@ class KVBatchMeta:
 
     def __len__(self) -> int:
         return len(self.keys)
+
+    def __repr__(self) -> str:
+        """Short whatever the batch: counts, the partition, the first keys, the fields, and the names
+        (not the values) of ``extra_info``, where adapters keep read hints and binary indexes."""
+        keys = ", ".join(repr(k if len(k) <= 40 else k[:37] + "...") for k in self.keys[:_REPR_KEYS])
+        if len(self.keys) > _REPR_KEYS:
+            keys += f", ... ({len(self.keys)} in all)"
+        parts = [f"partition_id={self.partition_id!r}", f"rows={len(self.keys)}", f"keys=[{keys}]"]
+        parts.append(f"fields={list(self.fields)!r}")
+        if self.sequence_lengths is not None:
+            parts.append(f"tokens={self.total_tokens}")
+        if self.tags is not None:
+            parts.append("tags=...")
+        if self.extra_info:
+            parts.append(f"extra_info=<{', '.join(sorted(map(str, self.extra_info)))}>")
+        if self.task_name is not None:
+            parts.append(f"task_name={self.task_name!r}")
+        return f"KVBatchMeta({', '.join(parts)})"
 
     @property
     def total_tokens(self) -> int | None:

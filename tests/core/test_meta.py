@@ -106,3 +106,27 @@ def test_trusted_meta_is_the_meta_its_checked_parts_make(m: KVBatchMeta) -> None
     assert made == KVBatchMeta(**parts) == replace(m, extra_info={})
     assert type(made) is KVBatchMeta and made.extra_info is not trusted_meta(**parts).extra_info  # its own dict
     assert pickle.loads(pickle.dumps(made)) == made
+
+
+def test_repr_stays_short_whatever_the_batch_carries() -> None:
+    """Adapters keep read hints and binary indexes in ``extra_info``: the repr names them, never
+    prints them, and shows a few keys however many rows there are."""
+    keys = [f"{'u' * 100}{i}_g0" for i in range(4096)]
+    meta = KVBatchMeta(
+        partition_id="train",
+        keys=keys,
+        fields=["input_ids", "reward"],
+        sequence_lengths=[7] * len(keys),
+        tags=[{"uid": k} for k in keys],
+        extra_info={"mooncake_index": b"\x00" * 4000, "mooncake_read": list(range(1000)), "pad_to": 8},
+        task_name="gsm8k",
+    )
+    text = repr(meta)
+    assert len(text) < 400, text
+    assert "rows=4096" in text and "tokens=28672" in text and "'train'" in text and "'gsm8k'" in text
+    assert "extra_info=<mooncake_index, mooncake_read, pad_to>" in text and "\\x00" not in text
+    assert "(4096 in all)" in text and text.count("_g0") == 0  # long keys are cut, only the first 3 shown
+    assert (
+        repr(KVBatchMeta(partition_id="p", keys=["a"]))
+        == "KVBatchMeta(partition_id='p', rows=1, keys=['a'], fields=[])"
+    )
