@@ -72,7 +72,7 @@ class MemoryConfig:
             elif key == "pickle_fields":
                 values[key] = tuple(x for x in raw.split(",") if x)
         name = (parsed.netloc + parsed.path).strip("/") or None
-        return cls(name=name, **{**values, **options})
+        return cls(**{"name": name, **values, **options})
 
 
 class _Chunk:

@@ -57,3 +57,10 @@ def test_check_options_names_every_unknown_option_once() -> None:
     check_options("x", ["a"], ["a", "b"])  # known: no error
     with pytest.raises(dataplane.InvalidArgument, match=r"unknown x:// keywords 'c', 'd'; valid options: a, b$"):
         check_options("x", ["c", "a", "d"], ["b", "a"], how="keyword")
+
+
+def test_a_keyword_overrides_what_the_url_host_says() -> None:
+    """Keywords win over the URL, for its host part as for its query (was a TypeError for the host)."""
+    assert MemoryConfig.from_url("memory://a", name="b").name == "b"
+    assert MooncakeConfig.from_url("mooncake://local", master="127.0.0.1:1").master == "127.0.0.1:1"
+    assert TQConfig.from_url("tq://host:6379", ray_address="auto").ray_address == "auto"

@@ -139,7 +139,7 @@ class MooncakeConfig:
         for key in ("segment_bytes", "client_segment_bytes", "local_buffer_bytes", "pool_bytes"):
             if isinstance(options.get(key), str):
                 options[key] = parse_bytes(options[key])
-        return cls(master=master, **{**values, **options})
+        return cls(**{"master": master, **values, **options})
 
 
 @dataclass(eq=False)
