@@ -223,8 +223,8 @@ class TQStore(KVStore):
 
     @property
     def url(self) -> str:
-        """``tq://?ray_address=GCS``: a plain process on this host, or one on another host that
-        reaches this Ray cluster, attaches with it; inside Ray (an actor) it attaches as ``tq://``."""
+        """``tq://?ray_address=GCS``: a plain process on this host, or on another host of this Ray
+        cluster, attaches with it; inside Ray (an actor) it attaches as ``tq://`` does."""
         return self._dep.url
 
     @property
