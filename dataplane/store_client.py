@@ -241,6 +241,8 @@ class StoreClient(DataPlaneClient):
             fix = f"read it through a client of that deployment: dataplane.connect({meta.deployment_url!r})"
         else:
             fix = "read it through a client of that deployment: dataplane.connect(url) with its client.url"
+        if theirs == ours:
+            ours += " (the same URL, but a deployment started again since that put)"
         return DeploymentMismatch(
             f"this meta's rows were written to {theirs}, not to this client's deployment {ours} "
             f"(ids {meta.deployment!r} and {self._deployment!r}), which does not hold them; {fix}"
