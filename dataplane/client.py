@@ -82,6 +82,21 @@ class DataPlaneClient(ABC):
     @abstractmethod
     def capabilities(self) -> Capabilities: ...
 
+    @property
+    def url(self) -> str:
+        """The URL another process passes to ``dataplane.connect()`` to reach the same deployment,
+        or "" when this store cannot be joined from elsewhere (a private ``memory://`` store).
+
+        A process that started a deployment also exports it as ``$DATAPLANE_URL`` to the processes it
+        starts afterwards, where ``dataplane.connect()`` with no argument joins it.
+
+        >>> import dataplane
+        >>> with dataplane.connect("memory://rollouts") as client:
+        ...     client.url  # memory is per process: this names it for clients of this process only
+        'memory://rollouts'
+        """
+        return ""
+
     @abstractmethod
     def kv_batch_put(
         self,

@@ -15,6 +15,7 @@ __all__ = [
     "ClientClosed",
     "DataPlaneError",
     "DataPlaneTimeout",
+    "DeploymentMismatch",
     "InvalidArgument",
     "KeyNotFound",
     "SchemaError",
@@ -39,6 +40,14 @@ class SchemaError(DataPlaneError, TypeError):
 
 class InvalidArgument(DataPlaneError, ValueError):
     """An argument has the right type but a bad value (duplicate keys, size mismatch, ...)."""
+
+
+class DeploymentMismatch(InvalidArgument):
+    """A meta was written to one deployment and read through a client of another.
+
+    Its rows are not in this store: connect to the deployment the meta names (its ``client.url``),
+    or ship the meta to a process of that deployment.
+    """
 
 
 class CapacityExceeded(DataPlaneError):

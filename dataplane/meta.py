@@ -70,6 +70,10 @@ class KVBatchMeta:
         tags: per-row dict of primitives (reward, weight version, ...), for filtering without I/O.
         extra_info: batch-level values (pad length, microbatch plan, ...).
         task_name: optional label.
+        deployment: the ``deployment_id`` of the store a put wrote these rows to, stamped by the put
+            ("" for a meta built by hand: never checked). A get through a client of another
+            deployment raises ``DeploymentMismatch`` before any I/O.
+        deployment_url: that store's ``client.url`` when the put stamped it, to name it in errors.
 
     >>> m = KVBatchMeta(partition_id="train", keys=["a", "b"], fields=["ids"], sequence_lengths=[3, 5])
     >>> m.subset([1]).keys
@@ -83,6 +87,8 @@ class KVBatchMeta:
     tags: tuple[dict[str, Any], ...] | None = None
     extra_info: dict[str, Any] = field(default_factory=dict)
     task_name: str | None = None
+    deployment: str = ""
+    deployment_url: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.partition_id, str) or not self.partition_id:
@@ -109,6 +115,9 @@ class KVBatchMeta:
         object.__setattr__(self, "sequence_lengths", lengths)
         object.__setattr__(self, "tags", tags)
         object.__setattr__(self, "extra_info", dict(self.extra_info))
+        for name in ("deployment", "deployment_url"):
+            if not isinstance(getattr(self, name), str):
+                raise SchemaError(f"{name} must be a str, got {type(getattr(self, name)).__name__}")
 
     # -- size -----------------------------------------------------------------------------------
     @property
@@ -207,10 +216,19 @@ class KVBatchMeta:
         return out
 
     def concat(self, *others: KVBatchMeta) -> KVBatchMeta:
-        """Rows of this meta followed by the rows of ``others`` (same partition; fields intersect)."""
+        """Rows of this meta followed by the rows of ``others`` (same partition and deployment; fields
+        intersect). A meta built by hand (no ``deployment``) takes the others' deployment."""
         metas = (self, *others)
         if len({m.partition_id for m in metas}) != 1:
             raise InvalidArgument("concat needs metas of one partition_id")
+        stamped = {m.deployment: m for m in metas if m.deployment}
+        if len(stamped) > 1:
+            urls = sorted(m.deployment_url or m.deployment for m in stamped.values())
+            raise InvalidArgument(
+                f"concat needs metas of one deployment, got rows written to {len(stamped)}: {', '.join(urls)}; "
+                "read each through a client of its own deployment"
+            )
+        origin = next(iter(stamped.values()), self)
         fields = [f for f in self.fields if all(f in m.fields for m in others)]
         lens = None
         if all(m.sequence_lengths is not None for m in metas):
@@ -225,6 +243,8 @@ class KVBatchMeta:
             sequence_lengths=lens,
             tags=tags,
             extra_info=copy.deepcopy(self.extra_info),
+            deployment=origin.deployment,
+            deployment_url=origin.deployment_url,
         )
 
     def select_tags(self, predicate: Any) -> KVBatchMeta:
@@ -242,6 +262,8 @@ class KVBatchMeta:
             "tags": None if self.tags is None else [dict(t) for t in self.tags],
             "extra_info": dict(self.extra_info),
             "task_name": self.task_name,
+            "deployment": self.deployment,
+            "deployment_url": self.deployment_url,
         }
 
     @classmethod
@@ -254,6 +276,8 @@ class KVBatchMeta:
             tags=d.get("tags"),
             extra_info=d.get("extra_info") or {},
             task_name=d.get("task_name"),
+            deployment=d.get("deployment") or "",
+            deployment_url=d.get("deployment_url") or "",
         )
 
     def to_msgpack(self) -> bytes:
@@ -273,6 +297,8 @@ def trusted_meta(
     fields: tuple[str, ...],
     sequence_lengths: tuple[int, ...] | None,
     tags: tuple[dict[str, Any], ...] | None,
+    deployment: str = "",
+    deployment_url: str = "",
 ) -> KVBatchMeta:
     """A meta of parts the caller has already checked and normalized, as ``KVBatchMeta(...)`` would
     (the client's put, which checks every part of its call first: checking again costs every put)."""
@@ -285,6 +311,8 @@ def trusted_meta(
         ("tags", tags),
         ("extra_info", {}),
         ("task_name", None),
+        ("deployment", deployment),
+        ("deployment_url", deployment_url),
     ):
         object.__setattr__(meta, name, value)
     return meta

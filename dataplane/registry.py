@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
+import os
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -20,17 +22,24 @@ from dataplane.errors import BackendUnavailable, InvalidArgument
 
 _T = TypeVar("_T")
 
+log = logging.getLogger(__name__)
+
 __all__ = [
+    "URL_ENV",
     "AdapterSpec",
     "available_adapters",
     "check_options",
     "connect",
+    "export_url",
     "register_adapter",
     "url_bool",
     "url_option",
 ]
 
 ENTRY_POINT_GROUP = "dataplane.adapters"
+URL_ENV = "DATAPLANE_URL"
+"""What ``dataplane.connect()`` with no argument connects to. A client that started a deployment
+exports its ``url`` here (when unset), so the processes it starts afterwards join with ``connect()``."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -166,13 +175,33 @@ def _scheme_of(url_or_config: Any) -> str:
     raise InvalidArgument(f"cannot tell which adapter {type(url_or_config).__name__} configures; pass a URL")
 
 
+def export_url(url: str) -> Callable[[], None]:
+    """Set ``$DATAPLANE_URL`` to ``url`` when it is unset (an owner announcing the deployment it
+    started); returns the undo, which removes it only while it still holds ``url``."""
+    if not url or os.environ.get(URL_ENV):
+        return lambda: None
+    os.environ[URL_ENV] = url
+    log.debug("dataplane: exported %s=%s", URL_ENV, url)
+
+    def undo() -> None:
+        if os.environ.get(URL_ENV) == url:
+            del os.environ[URL_ENV]
+
+    return undo
+
+
 def connect(url_or_config: Any = None, **options: Any) -> DataPlaneClient:
-    """Open a client for a URL or adapter config object; ``connect()`` gives a private memory store.
+    """Open a client for a URL or adapter config object.
+
+    With no URL it joins ``$DATAPLANE_URL`` when that is set (the owner of a deployment exports it
+    to the processes it starts: ``client.url``), else it gives a private memory store.
 
     >>> with connect("memory://") as client:
     ...     client.capabilities.backend
     'memory'
     """
+    if url_or_config is None:
+        url_or_config = os.environ.get(URL_ENV) or None
     scheme = _scheme_of(url_or_config)
     registered = _REGISTERED.get(scheme)
     if registered is not None:

@@ -266,6 +266,20 @@ class KVStore(ABC):
     def close(self) -> None:
         """Release the store's resources; the client calls it once."""
 
+    @property
+    def url(self) -> str:
+        """The URL another process passes to ``dataplane.connect()`` to reach this store's deployment
+        (``client.url``); "" (the default) when it cannot be joined from elsewhere."""
+        return ""
+
+    @property
+    def deployment_id(self) -> str:
+        """Equal for every client of one deployment and different for different deployments (also
+        for one started later on the same ports). Puts stamp it into the meta they return, and a get
+        by a meta stamped with another deployment's id raises ``DeploymentMismatch`` before any I/O.
+        "" (the default) means unknown: metas are then neither stamped nor checked."""
+        return ""
+
     def begin_put(self, partition_id: str, *, timeout_s: float) -> PendingPut:
         """Begin a put before the client has checked its arguments (see :class:`PendingPut`).
 

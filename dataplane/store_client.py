@@ -32,7 +32,14 @@ from dataplane.client import (
     check_shape,
 )
 from dataplane.codec.wire import Column, Layout, decode_columns, encode_fields, validate_field_name
-from dataplane.errors import ClientClosed, DataPlaneError, DataPlaneTimeout, InvalidArgument, SchemaError
+from dataplane.errors import (
+    ClientClosed,
+    DataPlaneError,
+    DataPlaneTimeout,
+    DeploymentMismatch,
+    InvalidArgument,
+    SchemaError,
+)
 from dataplane.meta import KVBatchMeta, check_keys, trusted_meta
 from dataplane.storage import KVStore, PendingGet
 
@@ -154,6 +161,8 @@ class StoreClient(DataPlaneClient):
         self._closed = False
         self._close_lock = threading.Lock()
         self._beside = Helper("dataplane-decode") if decode_beside() else None
+        self._deployment = store.deployment_id  # constant for the store's life: asked once
+        self._deployment_url = store.url
 
     @property
     def store(self) -> KVStore:
@@ -162,6 +171,10 @@ class StoreClient(DataPlaneClient):
     @property
     def capabilities(self) -> Capabilities:
         return self._store.capabilities
+
+    @property
+    def url(self) -> str:
+        return self._store.url
 
     @property
     def closed(self) -> bool:
@@ -196,6 +209,8 @@ class StoreClient(DataPlaneClient):
             fields=tuple(columns),
             sequence_lengths=_common_lengths(columns),
             tags=None if tag_list is None else tuple(tag_list),
+            deployment=self._deployment,
+            deployment_url=self._deployment_url if self._deployment else "",
         )
         extra = pending.write(key_list, columns, tag_list)
         if extra:
@@ -210,10 +225,28 @@ class StoreClient(DataPlaneClient):
                 )
             if not keys_or_meta.keys:
                 raise InvalidArgument("the meta has no keys; give at least one")
+            if keys_or_meta.deployment and self._deployment and keys_or_meta.deployment != self._deployment:
+                raise self._mismatch(keys_or_meta)
             return keys_or_meta.partition_id, list(keys_or_meta.keys), keys_or_meta  # checked when it was made
         if partition_id is None:
             raise InvalidArgument("partition_id is required when reading by keys (a meta carries its own)")
         return _check_partition(partition_id), check_keys(keys_or_meta), None
+
+    def _mismatch(self, meta: KVBatchMeta) -> DeploymentMismatch:
+        theirs = meta.deployment_url or f"deployment {meta.deployment!r}"
+        ours = self._deployment_url or f"a private {self.capabilities.backend}:// store"
+        if meta.deployment.startswith("memory://"):
+            fix = "memory is per process: read it in the process that wrote it, or use mooncake:// or tq://"
+        elif meta.deployment_url:
+            fix = f"read it through a client of that deployment: dataplane.connect({meta.deployment_url!r})"
+        else:
+            fix = "read it through a client of that deployment: dataplane.connect(url) with its client.url"
+        if theirs == ours:
+            ours += " (the same URL, but a deployment started again since that put)"
+        return DeploymentMismatch(
+            f"this meta's rows were written to {theirs}, not to this client's deployment {ours} "
+            f"(ids {meta.deployment!r} and {self._deployment!r}), which does not hold them; {fix}"
+        )
 
     def kv_batch_get(
         self,

@@ -6,12 +6,16 @@ once into pooled memory the caller owns. Locks are held only for bookkeeping, ne
 stored tensors are never mutated in place, a re-write swaps in new ones.
 
 ``memory://`` is a private store; ``memory://NAME`` is shared by every client in the process that
-names it, and lives until the last of them closes.
+names it, and lives until the last of them closes. Memory is per process: another process that
+connects to ``memory://NAME`` gets a store of its own, empty, and a get there by a meta this one
+wrote raises ``DeploymentMismatch``. For several processes use ``mooncake://`` or ``tq://``.
 """
 
 from __future__ import annotations
 
+import os
 import threading
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -262,10 +266,23 @@ class MemoryStore(KVStore):
         self._bytes = 0
         self._pool = BufferPool(min(cfg.capacity_bytes or (2 << 30), 2 << 30))
         self._caps = Capabilities(backend="memory", cross_process=False, cross_node=False, zero_copy=True)
+        # per store object: another store of the same name (another process, or after this one closed)
+        # is another deployment
+        self._id = f"memory://{cfg.name or ''}#{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
     @property
     def capabilities(self) -> Capabilities:
         return self._caps
+
+    @property
+    def url(self) -> str:
+        """``memory://NAME`` for a named store, "" for a private one. Memory is per process: the URL
+        reaches this store from clients of this process only."""
+        return f"memory://{self.config.name}" if self.config.name is not None else ""
+
+    @property
+    def deployment_id(self) -> str:
+        return self._id
 
     @property
     def used_bytes(self) -> int:
@@ -439,6 +456,14 @@ class _SharedRef(KVStore):
     @property
     def capabilities(self) -> Capabilities:
         return self.target.capabilities
+
+    @property
+    def url(self) -> str:
+        return self.target.url
+
+    @property
+    def deployment_id(self) -> str:
+        return self.target.deployment_id
 
     def put(
         self,

@@ -20,6 +20,7 @@ def metas(draw: st.DrawFn) -> KVBatchMeta:
     n = draw(st.integers(0, 30))
     keys = [f"k{i}" for i in draw(st.permutations(range(n)))]
     lens = draw(st.lists(st.integers(0, 500), min_size=n, max_size=n))
+    stamped = draw(st.booleans())  # a put's meta names its deployment; one built by hand does not
     return KVBatchMeta(
         partition_id="p",
         keys=keys,
@@ -27,6 +28,8 @@ def metas(draw: st.DrawFn) -> KVBatchMeta:
         sequence_lengths=lens,
         tags=[{"len": x, "key": k} for k, x in zip(keys, lens, strict=True)],
         extra_info={"pad": 8},
+        deployment="mooncake:0123abcd/dataplane" if stamped else "",
+        deployment_url="mooncake://127.0.0.1:5001?metrics_port=5002&ns=dataplane" if stamped else "",
     )
 
 
@@ -130,3 +133,40 @@ def test_repr_stays_short_whatever_the_batch_carries() -> None:
         repr(KVBatchMeta(partition_id="p", keys=["a"]))
         == "KVBatchMeta(partition_id='p', rows=1, keys=['a'], fields=[])"
     )
+
+
+@given(metas(), st.data())
+def test_every_transform_keeps_the_deployment(m: KVBatchMeta, data: st.DataObject) -> None:
+    n = len(m.keys)
+    idx = data.draw(st.permutations(range(n)))
+    made = [
+        m.subset(idx[: n // 2]),
+        m.reorder(idx),
+        m.slice(1),
+        m.drop(m.keys[:1]),
+        m.with_fields(["x"]),
+        m.stamp_tags({"w": 1}),
+        m.with_extra_info(a=1),
+        *m.chunk(3),
+        m.concat(m.slice(0, 0)),
+        m.select_tags(lambda t: True),
+        KVBatchMeta.from_dict(m.to_dict()),
+        KVBatchMeta.from_msgpack(m.to_msgpack()),
+        pickle.loads(pickle.dumps(m)),
+    ]
+    assert {(x.deployment, x.deployment_url) for x in made} == {(m.deployment, m.deployment_url)}
+
+
+def test_concat_of_metas_from_two_deployments_is_an_error() -> None:
+    a = KVBatchMeta(partition_id="p", keys=["a"], deployment="tq:1", deployment_url="tq://?ray_address=h:1")
+    b = KVBatchMeta(partition_id="p", keys=["b"], deployment="tq:2", deployment_url="tq://?ray_address=h:2")
+    by_hand = KVBatchMeta(partition_id="p", keys=["c"])
+    with pytest.raises(InvalidArgument, match=r"one deployment.*tq://\?ray_address=h:1, tq://\?ray_address=h:2"):
+        a.concat(by_hand, b)
+    joined = by_hand.concat(a)  # a meta built by hand takes the deployment of the rows it joins
+    assert (joined.keys, joined.deployment, joined.deployment_url) == (("c", "a"), "tq:1", "tq://?ray_address=h:1")
+    assert by_hand.concat(by_hand.slice(0, 0)).deployment == ""
+    with pytest.raises(SchemaError, match="deployment must be a str"):
+        KVBatchMeta(partition_id="p", keys=["a"], deployment=None)  # type: ignore[arg-type]
+    assert "tq:" not in repr(a)  # the repr stays short
+    assert KVBatchMeta.from_dict({"partition_id": "p", "keys": ["a"]}).deployment == ""  # older dicts

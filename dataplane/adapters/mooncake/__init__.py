@@ -2,8 +2,9 @@
 
 ``mooncake://local`` starts and owns a ``mooncake_master`` and one store server on free loopback
 ports and stops both on ``close()`` (or when the owning process dies); ``mooncake://HOST:PORT`` joins
-a running master. Other processes of the job join the owner's deployment with
-``client.store.join_url``. By default (``shm=true``) every process moves data to and from the store
+a running master. Other processes of the job join the owner's deployment with ``client.url`` (the
+owner exports it as ``$DATAPLANE_URL`` to the processes it starts afterwards, where
+``dataplane.connect()`` joins it). By default (``shm=true``) every process moves data to and from the store
 server through shared memory; ``shm=false`` goes over loopback TCP. Clients lend no memory (an
 object dies with the process that lent it), objects are hard-pinned (a full store raises
 ``CapacityExceeded``), and a get keeps what it read only if every put it read from is still there

@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import socket
+import time
 import uuid
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
@@ -19,11 +20,11 @@ from dataplane.adapters.mooncake._handle import AdminClient, StoreHandle
 from dataplane.adapters.mooncake._index import check_ns
 from dataplane.adapters.mooncake._servers import StoreServerHandle, start_real_client, start_store_server
 from dataplane.adapters.mooncake._store import MooncakeStore
-from dataplane.errors import BackendUnavailable, InvalidArgument
-from dataplane.registry import check_options, url_bool, url_option
+from dataplane.errors import BackendUnavailable, DataPlaneError, InvalidArgument
+from dataplane.registry import check_options, export_url, url_bool, url_option
 from dataplane.store_client import StoreClient
 
-__all__ = ["LocalDeployment", "MooncakeConfig", "connect", "parse_bytes"]
+__all__ = ["DEPLOYMENT_KEY", "LocalDeployment", "MooncakeConfig", "connect", "deployment_token", "parse_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +187,37 @@ def _announce_address(master_host: str, master_port: int) -> str:
     return addr
 
 
+# Outside every namespace (a namespace holds no "."), so no listing, clear or sweep of ours sees it.
+DEPLOYMENT_KEY = ".dataplane/deployment"
+
+
+def deployment_token(handle: StoreHandle, timeout_s: float = 5.0) -> str:
+    """The master's deployment token: the first client writes a random one under
+    :data:`DEPLOYMENT_KEY` (Mooncake keeps an existing key's value), every client reads back the one
+    that won. A new master (also on the same ports) starts without it, so it gets a new token. ""
+    when it can be neither written nor read (a full store): metas are then not checked."""
+    deadline = time.monotonic() + timeout_s
+    mine = uuid.uuid4().hex[:16].encode()
+    wrote = False
+    while True:
+        try:
+            found = handle.get_bytes(DEPLOYMENT_KEY)
+            if found:
+                return found.decode("ascii", "replace")
+            if not wrote:
+                wrote = handle.put_if_absent(DEPLOYMENT_KEY, mine) == 0
+        except DataPlaneError as e:
+            log.debug("dataplane: reading the deployment token failed: %s", e)
+        if time.monotonic() >= deadline:
+            log.warning(
+                "dataplane: could not read or write the Mooncake deployment token %r; metas of this client "
+                "are not checked against their deployment",
+                DEPLOYMENT_KEY,
+            )
+            return ""
+        time.sleep(0.02)  # another client's put of it is still being written
+
+
 def connect(url_or_config: str | MooncakeConfig | None = None, **options: Any) -> StoreClient:
     """Open a ``mooncake://`` client (see :class:`MooncakeConfig` and the package docstring)."""
     if isinstance(url_or_config, MooncakeConfig):
@@ -225,7 +257,16 @@ def connect(url_or_config: str | MooncakeConfig | None = None, **options: Any) -
             raise BackendUnavailable(f"Mooncake master {cfg.master} is not reachable: {e}") from e
     try:
         admin = AdminClient(host, metrics)
-        admin.all_keys(min(cfg.timeout_s, 10.0))  # fail now, with a clear message, on a wrong metrics_port
+        try:  # fail now, with a clear message, on a wrong metrics_port
+            admin.all_keys(min(cfg.timeout_s, 10.0))
+        except BackendUnavailable as e:
+            if deployment is not None:
+                raise
+            raise BackendUnavailable(
+                f"{e}. To join a deployment another process started, pass that process's client.url to "
+                "dataplane.connect() (it carries metrics_port, ns and real_client), or run dataplane.connect() "
+                "with no argument in a process it started ($DATAPLANE_URL)"
+            ) from e
         handle = StoreHandle(
             local_hostname=cfg.local_hostname or _announce_address(host, port),
             master_address=f"{host}:{port}",
@@ -244,13 +285,18 @@ def connect(url_or_config: str | MooncakeConfig | None = None, **options: Any) -
     )
     store.deployment = deployment
     store.master_address = f"{host}:{port}"
-    store.join_url = f"mooncake://{host}:{port}?metrics_port={metrics}&ns={cfg.ns}&protocol={cfg.protocol}"
+    store.joined_by = f"mooncake://{host}:{port}?metrics_port={metrics}&ns={cfg.ns}&protocol={cfg.protocol}"
     if real_client is not None:
-        store.join_url += f"&real_client={real_client}"
+        store.joined_by += f"&real_client={real_client}"
+    try:
+        store.deployment_token = deployment_token(handle, min(cfg.timeout_s, 10.0))
+    except BaseException:
+        store.close()
+        if deployment is not None:
+            deployment.stop()
+        raise
     log.debug("dataplane: mooncake client %s in pid %d joined %s", handle.hostname, os.getpid(), store.master_address)
-    return StoreClient(
-        store,
-        timeout_s=cfg.timeout_s,
-        pickle_fields=cfg.pickle_fields,
-        on_close=[deployment.stop] if deployment is not None else [],
-    )
+    on_close: list[Any] = []
+    if deployment is not None:
+        on_close = [export_url(store.url), deployment.stop]  # the undo runs first
+    return StoreClient(store, timeout_s=cfg.timeout_s, pickle_fields=cfg.pickle_fields, on_close=on_close)

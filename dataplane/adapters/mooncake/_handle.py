@@ -314,6 +314,16 @@ class StoreHandle:
                 out += got
         return out
 
+    def put_if_absent(self, key: str, data: bytes) -> int:
+        """``put`` of a small value (hard-pinned): Mooncake keeps the value already there, if any."""
+        with self._enter() as st:
+            return int(st.put(key, data, self.put_config))
+
+    def get_bytes(self, key: str) -> bytes:
+        """A small value (b"" when absent, or while its put is still being written)."""
+        with self._enter() as st:
+            return bytes(st.get(key))
+
     def remove(self, keys: Sequence[str]) -> list[int]:
         out: list[int] = []
         with self._enter() as st:

@@ -112,7 +112,8 @@ class PartitionCache(KVStore):
         self._stages: list[tuple[int, torch.Tensor]] = []  # see _sendable_bytes
         self.deployment: Any = None  # the LocalDeployment a mooncake://local client owns
         self.master_address = ""
-        self.join_url = ""  # what other processes pass to dataplane.connect() to share this store
+        self.joined_by = ""  # what other processes pass to dataplane.connect() to share this store
+        self.deployment_token = ""  # the master's (see _connect.deployment_token)
         self._parts: dict[str, _Part] = {}
         self._parts_lock = threading.Lock()
         self._caps = Capabilities(
@@ -122,6 +123,23 @@ class PartitionCache(KVStore):
     @property
     def capabilities(self) -> Capabilities:
         return self._caps
+
+    @property
+    def url(self) -> str:
+        """``mooncake://HOST:PORT?metrics_port=..&ns=..`` (plus ``real_client`` when this client
+        reaches the store server through shared memory: that part holds on this host only)."""
+        return self.joined_by
+
+    @property
+    def join_url(self) -> str:
+        """The same as :attr:`url` (its earlier name)."""
+        return self.joined_by
+
+    @property
+    def deployment_id(self) -> str:
+        """``mooncake:TOKEN/NS``: TOKEN is written once per master by its first client and read back
+        by every other (however it spells the master's host); NS is this client's namespace."""
+        return f"mooncake:{self.deployment_token}/{self.ns}" if self.deployment_token else ""
 
     def validate_keys(self, keys: Sequence[str]) -> None:
         """Mooncake keys are ASCII (the core already bounds their length at ``meta.MAX_KEY_LEN``)."""

@@ -2,7 +2,8 @@
 
 One TransferQueue runs per Ray cluster. The first process to connect with a ``backend`` starts it
 (Ray too, if the process has none) and owns it; every other process -- a Ray actor typically just
-calls ``dataplane.connect("tq://")`` -- attaches. Only the owner's last client tears the deployment
+calls ``dataplane.connect("tq://")``, a plain process the owner's ``client.url``
+(``tq://?ray_address=GCS``, also exported as ``$DATAPLANE_URL``) -- attaches. Only the owner's last client tears the deployment
 down (its actors, its ``mooncake_master``, and Ray if it started Ray); anyone else's ``close()``
 closes only that client. TQ's client is process-global, so all clients of one process share one
 attachment, refcounted.

@@ -71,6 +71,7 @@ from dataplane.adapters.transfer_queue._deploy_config import (
     build_conf,
     tq_env,
 )
+from dataplane.registry import URL_ENV, export_url
 
 logger = logging.getLogger(__name__)
 
@@ -187,6 +188,9 @@ class TQDeployment:
     master: Any = None  # our MasterHandle, or None
     master_address: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    url: str = ""  # tq://?ray_address=GCS: what another process passes to dataplane.connect() to attach
+    deployment_id: str = ""  # tq:CONTROLLER_ACTOR_ID: one per TransferQueue started
+    _unexport: Any = field(default=None, repr=False)  # undoes the owner's $DATAPLANE_URL
     _closed: bool = field(default=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -311,8 +315,12 @@ class TQDeployment:
         """``runtime_env`` for Ray actors/tasks that will attach, carrying TQ's env vars.
 
         Only needed when *you* called ``ray.init``; when we did, the job's runtime_env already has it.
+        It also carries ``DATAPLANE_URL``, so ``dataplane.connect()`` with no argument attaches there.
         """
-        return {"env_vars": dict(self.env)}
+        env = dict(self.env)
+        if self.url:
+            env[URL_ENV] = self.url
+        return {"env_vars": env}
 
     # ------------------------------------------------------------------ teardown
 
@@ -323,6 +331,8 @@ class TQDeployment:
             if self._closed:
                 return
             self._closed = True
+        if self._unexport is not None:
+            self._unexport()
         global _CLIENT_REFS
         with _CLIENT_LOCK:
             _CLIENT_REFS = max(0, _CLIENT_REFS - 1)
@@ -463,7 +473,10 @@ def start_or_attach(cfg: TQDeployConfig | None = None) -> TQDeployment:
                 "RAY_ADDRESS). Start one first, e.g. dataplane.connect('tq://?backend=simple'), or pass "
                 "ray_address"
             )
-    ray_inited, ray_started = _ensure_ray(cfg, env)
+    # Ray workers of a Ray started here get $DATAPLANE_URL through the job's runtime_env; its GCS
+    # address (in client.url) is not known before ray.init, and inside Ray "tq://" attaches anyway.
+    own = not cfg.attach_only and not os.environ.get(URL_ENV)
+    ray_inited, ray_started = _ensure_ray(cfg, {**env, URL_ENV: "tq://"} if own else env)
     timings = {"ray_init_s": time.monotonic() - t_start}
     dep = TQDeployment(cfg=cfg, owner=False, env=env, ray_inited=ray_inited, ray_started=ray_started, timings=timings)
     global _CLIENT_REFS
@@ -493,6 +506,9 @@ def start_or_attach(cfg: TQDeployConfig | None = None) -> TQDeployment:
         else:
             _start_owned(dep, deadline)
             timings["init_s"] = time.monotonic() - t0
+        dep.url, dep.deployment_id = _identity()
+        if dep.owner:
+            dep._unexport = export_url(dep.url)
         with _CLIENT_LOCK:
             _CLIENT_REFS += 1
         return dep
@@ -506,6 +522,21 @@ def start_or_attach(cfg: TQDeployConfig | None = None) -> TQDeployment:
 
             ray.shutdown()
         raise
+
+
+def _identity() -> tuple[str, str]:
+    """``(url, deployment_id)`` of the TransferQueue this process is attached to: the URL names the
+    Ray cluster's GCS (one TransferQueue runs per Ray cluster), the id its controller actor."""
+    import ray
+    import transfer_queue.interface as itf
+
+    controller = itf._TQ_CONTROLLER or _find_controller()
+    try:
+        actor_id = controller._ray_actor_id.hex() if controller is not None else ""
+    except AttributeError:  # another Ray's handle type: the id stays unknown, never checked
+        actor_id = ""
+    gcs = ray.get_runtime_context().gcs_address
+    return (f"tq://?ray_address={gcs}" if gcs else ""), (f"tq:{actor_id}" if actor_id else "")
 
 
 def _check_mooncake_master(conf: Any) -> None:

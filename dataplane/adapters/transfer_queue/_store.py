@@ -222,6 +222,16 @@ class TQStore(KVStore):
         return self._dep
 
     @property
+    def url(self) -> str:
+        """``tq://?ray_address=GCS``: a plain process on this host, or on another host of this Ray
+        cluster, attaches with it; inside Ray (an actor) it attaches as ``tq://`` does."""
+        return self._dep.url
+
+    @property
+    def deployment_id(self) -> str:
+        return self._dep.deployment_id
+
+    @property
     def round_trips(self) -> int:
         """Controller requests this client has sent so far."""
         return self._ops.round_trips
