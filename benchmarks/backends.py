@@ -36,9 +36,10 @@ class BenchBackend:
     exists where ``client.empty()`` hands out memory a put sends without a copy. ``paths`` says in
     one sentence what the backend's rows compare (printed under the table).
 
-    ``raw`` receives the batch, the repeat count and the benchmark's client of this backend, and
-    returns :class:`RawTimes` measured through the backend's own API, without dataplane in between
-    (against the same deployment as the client, where that applies).
+    ``raw`` receives the batch, the repeat count, the benchmark's client of this backend and a
+    warm-up count (untimed rounds first), and returns :class:`RawTimes` measured through the
+    backend's own API, without dataplane in between (against the same deployment as the client,
+    where that applies).
     """
 
     name: str
@@ -47,7 +48,7 @@ class BenchBackend:
     options: dict[str, Any] = field(default_factory=dict)
     put_from: tuple[str, ...] = ("tensors",)
     paths: str = ""
-    raw: Callable[[Batch, int, Any], RawTimes] | None = None
+    raw: Callable[[Batch, int, Any, int], RawTimes] | None = None
     # URL and options another process uses to reach the store this client is attached to; None: the
     # backend is in-process only, so --readers does not apply.
     reader_url: Callable[[Any], tuple[str, dict[str, Any]]] | None = None

@@ -272,7 +272,7 @@ def close_raw_clients() -> None:
         _RAW.popitem()[1].close()
 
 
-def raw_seconds(batch: Batch, repeat: int, client: Any) -> RawTimes:
+def raw_seconds(batch: Batch, repeat: int, client: Any, warmup: int = 1) -> RawTimes:
     """Raw Mooncake against the benchmark client's own master and store server, each repetition a
     copy of the batch's ordinary tensors into the registered source arena (what a raw user holding
     tensors must do first, as our put of ordinary tensors does), a ``batch_put_from`` from that
@@ -283,17 +283,17 @@ def raw_seconds(batch: Batch, repeat: int, client: Any) -> RawTimes:
     dep = deployment_of(client)
     raw = _raw_client(dep.master, total, dep.real_client)
     copied, puts, gets = [], [], []
-    for i in range(repeat + 1):
+    for i in range(warmup + repeat):
         keys = [f"raw/{i}/{name}" for name, _ in buffers]
         t0 = time.perf_counter()
         raw.load(buffers)
         tc = time.perf_counter() - t0
         tp = raw.put(keys)
         tg = raw.get(keys)
-        if i == 0 and not np.array_equal(raw.read_back(raw.src), raw.read_back()):
+        if i < warmup and not np.array_equal(raw.read_back(raw.src), raw.read_back()):
             raise RuntimeError("raw Mooncake round trip is not bit-exact")
         raw.remove(keys)
-        if i:
+        if i >= warmup:
             copied.append(tc + tp)
             puts.append(tp)
             gets.append(tg)

@@ -19,7 +19,7 @@ from benchmarks.workload import Batch
 __all__ = ["BACKENDS"]
 
 
-def raw_seconds(batch: Batch, repeat: int, client: Any = None) -> RawTimes:
+def raw_seconds(batch: Batch, repeat: int, client: Any = None, warmup: int = 1) -> RawTimes:
     """Median-able put/get seconds of ``transfer_queue.kv_batch_put/kv_batch_get`` on ``batch``."""
     import transfer_queue as tq
     from tensordict import TensorDict
@@ -28,7 +28,7 @@ def raw_seconds(batch: Batch, repeat: int, client: Any = None) -> RawTimes:
     data = TensorDict(tensors, batch_size=[len(batch.keys)])
     names = list(tensors)
     puts, gets = [], []
-    for i in range(repeat + 1):
+    for i in range(warmup + repeat):
         pid = f"bench-raw-{i}"
         t0 = time.perf_counter()
         tq.kv_batch_put(keys=batch.keys, partition_id=pid, fields=data)
@@ -39,7 +39,7 @@ def raw_seconds(batch: Batch, repeat: int, client: Any = None) -> RawTimes:
             raise RuntimeError("raw TransferQueue get returned the wrong number of rows")
         del out
         tq.get_client().clear_partition(pid)
-        if i:  # the first round is the warm-up
+        if i >= warmup:
             puts.append(t1 - t0)
             gets.append(t2 - t1)
     return RawTimes(get=gets, put={"tensors": puts})

@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,8 +40,8 @@ from typing import Any
 import torch
 
 import dataplane
-from benchmarks.backends import BenchBackend, all_backends
-from benchmarks.harness import default_out, machine_info, machine_label, median
+from benchmarks.backends import BenchBackend, RawTimes, all_backends
+from benchmarks.harness import default_out, machine_info, machine_label, median, paired
 from benchmarks.put_get_report import format_table, noisy_figures, plot, spread, to_markdown
 from benchmarks.readers import ReaderPool
 from benchmarks.workload import Batch, flat_views, in_client_memory, make_batch
@@ -132,13 +133,14 @@ def run_case(
     batches: dict[str, Batch],
     repeat: int,
     readers: ReaderPool | None = None,
+    warmup: int = 1,
 ) -> dict[str, tuple[list[float], list[float]]]:
     """Put each batch (one per put path: the same data, in different memory), then get it by the
     meta the put returned (as an RL job ships it): in this process, or in every reader process at
     once (wall time until the last one has it). The paths take turns in every repetition, so a
     drift of the machine hits them alike. Per path: (put seconds, get seconds)."""
     out: dict[str, tuple[list[float], list[float]]] = {path: ([], []) for path in batches}
-    for i in range(repeat + 1):
+    for i in range(warmup + repeat):
         for path, batch in batches.items():
             names = list(batch.fields)
             pid = f"bench-{os.getpid()}-{path}-{i}"
@@ -155,7 +157,7 @@ def run_case(
             else:
                 get_s, _ = readers.get_all(meta, names)
             client.kv_clear(partition_id=pid)
-            if i:  # the first round is the warm-up
+            if i >= warmup:
                 out[path][0].append(t1 - t0)
                 out[path][1].append(get_s)
     return out
@@ -237,14 +239,25 @@ def _measure(
     args: argparse.Namespace,
     readers: ReaderPool | None,
 ) -> list[CaseResult]:
-    """One row per put path of the backend: memcpy just before, ours, then the raw API."""
+    """One row per put path of the backend: memcpy just before, then ours and the raw API in turns,
+    one repetition each (raw first every other time), so a drift of the machine hits both alike and
+    ours/raw is a paired median."""
     size, n_fields, layout = case
     memcpy = Timing.of(memcpy_seconds(batch, max(args.repeat, MEMCPY_REPEAT)))
     memcpy_gbps = batch.payload_bytes / memcpy.min_s / 1e9
     batches = {path: batch if path == "tensors" else in_client_memory(batch, client) for path in backend.put_from}
-    ours = run_case(client, batches, args.repeat, readers)
+    raw_fn = backend.raw if readers is None else None
+    ours = run_case(client, batches, 0, readers)  # the warm-ups
+    raw = raw_fn(batch, 0, client, 1) if raw_fn is not None else None
+    for rep in range(args.repeat):
+        if raw is not None and raw_fn is not None and rep % 2:
+            _extend(raw, raw_fn(batch, 1, client, 0))
+        for path, (puts, gets) in run_case(client, batches, 1, readers, warmup=0).items():
+            ours[path][0].extend(puts)
+            ours[path][1].extend(gets)
+        if raw is not None and raw_fn is not None and not rep % 2:
+            _extend(raw, raw_fn(batch, 1, client, 0))
     del batches
-    raw = backend.raw(batch, args.repeat, client) if backend.raw is not None and readers is None else None
     n_readers = 0 if readers is None else len(readers.procs)
     got_bytes = batch.payload_bytes * max(1, n_readers)  # aggregate over readers
     out = []
@@ -264,10 +277,18 @@ def _measure(
             res.raw_put, res.raw_get = Timing.of(raw.put[path]), Timing.of(raw.get)
             res.raw_put_gbps = batch.payload_bytes / res.raw_put.median_s / 1e9
             res.raw_get_gbps = batch.payload_bytes / res.raw_get.median_s / 1e9
-            res.put_vs_raw = put_gbps / res.raw_put_gbps
-            res.get_vs_raw = get_gbps / res.raw_get_gbps
+            put_paired, get_paired = paired(raw.put[path], puts), paired(raw.get, gets)
+            res.put_vs_raw, res.get_vs_raw = put_paired["median"], get_paired["median"]
+            res.extra["put_vs_raw_ci95"] = [put_paired["low"], put_paired["high"]]
+            res.extra["get_vs_raw_ci95"] = [get_paired["low"], get_paired["high"]]
         out.append(res)
     return out
+
+
+def _extend(into: RawTimes, more: RawTimes) -> None:
+    into.get.extend(more.get)
+    for path, xs in more.put.items():
+        into.put.setdefault(path, []).extend(xs)
 
 
 def _start_early(installed: list[BenchBackend], args: argparse.Namespace) -> dict[str, Future[Any]]:
@@ -366,6 +387,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     closing = _Closer()
     ray_was_up = _ray_is_up()
     early = _start_early(installed, args)
+    if not args.quick:  # nothing starts while anything is measured (a smoke run does not care)
+        futures.wait(list(early.values()), timeout=START_TIMEOUT_S)
     try:
         for backend in installed:
             closing.wait_for(backend.url.split(":", 1)[0])  # one TransferQueue per process at a time

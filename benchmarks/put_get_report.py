@@ -146,7 +146,9 @@ def to_markdown(report: dict[str, Any], plot_name: str | None = None) -> str:
         "",
         "Columns: `memcpy GB/s` is a copy of the batch into one preallocated buffer, measured just before "
         "the row (the fastest of its repeats: the ceiling of any in-host path); `raw` is the backend's own "
-        "API on the same deployment, its put starting from the same place as ours (`put from`). "
+        "API on the same deployment, its put starting from the same place as ours (`put from`), timed in "
+        "turns with ours; `put/raw`, `get/raw` are paired medians (raw's time over ours, repetition by "
+        "repetition; their 95% intervals are in the JSON). "
         f"A figure is `noisy` where its repeats spread over {SPREAD_LIMIT:.0%} of their median or it beats "
         f"memcpy by more than {CEILING_FACTOR}x; the values and reasons are listed under the table.",
         "",
