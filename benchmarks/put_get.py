@@ -60,10 +60,11 @@ class Timing:
     max_s: float
     n: int
     spread: float  # see benchmarks.put_get_report.spread
+    samples_s: list[float]  # every repetition, in the order timed
 
     @classmethod
     def of(cls, xs: list[float]) -> Timing:
-        return cls(median_s=median(xs), min_s=min(xs), max_s=max(xs), n=len(xs), spread=spread(xs))
+        return cls(median_s=median(xs), min_s=min(xs), max_s=max(xs), n=len(xs), spread=spread(xs), samples_s=list(xs))
 
 
 @dataclass
@@ -91,8 +92,10 @@ class CaseResult:
     raw_get: Timing | None = None
     raw_put_gbps: float | None = None
     raw_get_gbps: float | None = None
-    put_vs_raw: float | None = None
+    put_vs_raw: float | None = None  # paired median: raw's seconds over ours, repetition by repetition
     get_vs_raw: float | None = None
+    put_vs_raw_ci95: list[float] | None = None  # [low, high]: distribution-free 95% interval of that median
+    get_vs_raw_ci95: list[float] | None = None
     noisy: dict[str, str] = field(default_factory=dict)  # figure -> why it is not a result
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -279,8 +282,8 @@ def _measure(
             res.raw_get_gbps = batch.payload_bytes / res.raw_get.median_s / 1e9
             put_paired, get_paired = paired(raw.put[path], puts), paired(raw.get, gets)
             res.put_vs_raw, res.get_vs_raw = put_paired["median"], get_paired["median"]
-            res.extra["put_vs_raw_ci95"] = [put_paired["low"], put_paired["high"]]
-            res.extra["get_vs_raw_ci95"] = [get_paired["low"], get_paired["high"]]
+            res.put_vs_raw_ci95 = [put_paired["low"], put_paired["high"]]
+            res.get_vs_raw_ci95 = [get_paired["low"], get_paired["high"]]
         out.append(res)
     return out
 

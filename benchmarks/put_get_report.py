@@ -4,8 +4,11 @@ A figure is *noisy*, and printed as ``noisy`` rather than as a result, where its
 (their spread, :func:`spread`, is over :data:`SPREAD_LIMIT` of the median) or where it beats the
 physical ceiling measured beside it by more than :data:`CEILING_FACTOR` (a put or a get moves every
 byte at least once, so neither can outrun a memcpy of the batch by much; one that does was timed
-while the machine stalled every memcpy, or measured nothing). A ratio is noisy where either figure
-is. The memcpy ceiling is the fastest of its repeats, so its own spread does not matter.
+while the machine stalled every memcpy, or measured nothing). A ratio to memcpy is noisy where its
+figure is (the memcpy ceiling is the fastest of its repeats, so its own spread does not matter).
+A ratio to raw is a paired median (ours and raw timed in turns): it is noisy where its 95% interval
+is wider than :data:`SPREAD_LIMIT` of it, whatever the machine's drift did to both figures alike,
+or where ours beats the memcpy ceiling.
 """
 
 from __future__ import annotations
@@ -21,26 +24,21 @@ __all__ = ["CEILING_FACTOR", "SPREAD_LIMIT", "format_table", "noisy_figures", "p
 SPREAD_LIMIT = 0.5
 CEILING_FACTOR = 1.3
 # figure -> the figures it is computed from (a ratio is noisy where one of them is)
-_RATIOS = {
-    "put_vs_memcpy": ("put_gbps", "memcpy_gbps"),
-    "get_vs_memcpy": ("get_gbps", "memcpy_gbps"),
-    "put_vs_raw": ("put_gbps", "raw_put_gbps"),
-    "get_vs_raw": ("get_gbps", "raw_get_gbps"),
-}
+_RATIOS = {"put_vs_memcpy": ("put_gbps",), "get_vs_memcpy": ("get_gbps",)}
+_PAIRED = {"put_vs_raw": "put_gbps", "get_vs_raw": "get_gbps"}
 # figure -> its timing; memcpy is not here: its figure is the fastest repeat (a ceiling), whose
 # error shows as figures above it
 _TIMINGS = {"put_gbps": "put", "get_gbps": "get", "raw_put_gbps": "raw_put", "raw_get_gbps": "raw_get"}
 
 
 def spread(xs: list[float]) -> float:
-    """How far the repeats of one figure disagree: their range over their median, after dropping
-    the fastest and the slowest where there are 5 or more (one stall or one lucky run is not
-    spread: the median already ignores it)."""
+    """How far the repeats of one figure disagree: the range of their middle half over their median
+    (the fastest and the slowest quarter dropped: a stall or a lucky run is not spread, the median
+    already ignores it; below 4 repeats, the full range)."""
     s = sorted(xs)
-    if len(s) >= 5:
-        s = s[1:-1]
+    k = len(s) // 4
     mid = s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
-    return (s[-1] - s[0]) / mid if mid > 0 else 0.0
+    return (s[-1 - k] - s[k]) / mid if mid > 0 else 0.0
 
 
 def noisy_figures(r: dict[str, Any]) -> dict[str, str]:
@@ -49,7 +47,8 @@ def noisy_figures(r: dict[str, Any]) -> dict[str, str]:
     for fig, timing in _TIMINGS.items():
         t = r.get(timing)
         if t and t["spread"] > SPREAD_LIMIT:
-            out[fig] = f"its {t['n']} repeats spread over {t['spread']:.0%} of their median"
+            which = f"the middle half of its {t['n']} repeats spans" if t["n"] >= 4 else f"its {t['n']} repeats span"
+            out[fig] = f"{which} {t['spread']:.0%} of their median"
     ceiling = r["memcpy_gbps"]  # the fastest of its repeats: a figure far above it means memcpy was stalled
     bounds = {"put_gbps": ceiling, "raw_put_gbps": ceiling, "get_gbps": ceiling * max(1, r["readers"])}
     if not r["readers"]:
@@ -62,6 +61,14 @@ def noisy_figures(r: dict[str, Any]) -> dict[str, str]:
         bad = [p for p in parts if p in out]
         if bad and r.get(ratio) is not None:
             out[ratio] = f"computed from noisy {' and '.join(bad)}"
+    for ratio, ours in _PAIRED.items():
+        value, ci = r.get(ratio), r.get(f"{ratio}_ci95")
+        if value is None:
+            continue
+        if ci and (ci[1] - ci[0]) > SPREAD_LIMIT * value:
+            out[ratio] = f"its 95% interval {ci[0]:.2f}-{ci[1]:.2f} is wider than {SPREAD_LIMIT:.0%} of it"
+        elif ours in out and "ceiling" in out[ours]:
+            out[ratio] = f"computed from noisy {ours}"
     return out
 
 
@@ -96,7 +103,7 @@ def format_table(report: dict[str, Any]) -> str:
             *(_cell(r, fig) for _, fig in _COLUMNS),
         ))  # fmt: skip
         for fig, why in r["noisy"].items():
-            if fig in _TIMINGS:  # ratios follow from these
+            if fig in _TIMINGS or fig in _PAIRED:  # the memcpy ratios follow from the figures
                 label = {f: c for c, f in _COLUMNS}[fig]
                 notes.append(
                     f"  {r['backend']} ({r['put_from']}) {human_bytes(r['payload_bytes'])} x{r['n_fields']} "
@@ -133,10 +140,18 @@ def _ceilings_table(report: dict[str, Any]) -> list[str]:
 def to_markdown(report: dict[str, Any], plot_name: str | None = None) -> str:
     """The report as markdown: machine (with its load), command, what each row compares, the table."""
     cfg = report["config"]
+    m = report["machine"]
+    loads = [*m.get("loadavg", [])[:1], *m.get("loadavg_after", [])[:1]]
+    busy = (
+        f" The machine was busy: a 1-minute load average of {max(loads):.1f} on {m.get('cpu_count')} CPUs "
+        "while it ran (other jobs shared its cores), so absolute GB/s are low; compare the ratios."
+        if loads and max(loads) > (m.get("cpu_count") or 1)
+        else ""
+    )
     parts = [
         "# put/get throughput of every backend beside its ceilings",
         "",
-        machine_line(report["machine"]),
+        machine_line(m) + busy,
         "",
         f"`{report['command']}` (sizes {cfg['sizes_mb']} MB, fields {cfg['fields']}, layouts {cfg['layouts']}, "
         f"medians of {cfg['repeat']} after one warm-up"
@@ -149,8 +164,9 @@ def to_markdown(report: dict[str, Any], plot_name: str | None = None) -> str:
         "API on the same deployment, its put starting from the same place as ours (`put from`), timed in "
         "turns with ours; `put/raw`, `get/raw` are paired medians (raw's time over ours, repetition by "
         "repetition; their 95% intervals are in the JSON). "
-        f"A figure is `noisy` where its repeats spread over {SPREAD_LIMIT:.0%} of their median or it beats "
-        f"memcpy by more than {CEILING_FACTOR}x; the values and reasons are listed under the table.",
+        f"A figure is `noisy` where the middle half of its repeats spans over {SPREAD_LIMIT:.0%} of their median "
+        f"or it beats memcpy by more than {CEILING_FACTOR}x, a paired ratio where its 95% interval is wider "
+        f"than {SPREAD_LIMIT:.0%} of it; the values and reasons are listed under the table.",
         "",
         "What each backend's rows compare:",
         "",
