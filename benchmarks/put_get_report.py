@@ -197,6 +197,8 @@ def plot(report: dict[str, Any], path: str) -> None:
     counts = report["config"]["fields"]
     n_fields = 8 if 8 in counts else max(counts)  # 8: an RL batch's usual handful of fields
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    colors: dict[str, Any] = {}  # one colour per line in both panels (the get panel has fewer lines)
+    palette = iter(plt.rcParams["axes.prop_cycle"].by_key()["color"] * 3)
     for ax, op in zip(axes, ("put", "get"), strict=True):
         series: dict[str, list[tuple[float, float]]] = {}
         for r in report["results"]:
@@ -218,14 +220,17 @@ def plot(report: dict[str, Any], path: str) -> None:
             for mb, v in pts:  # memcpy was measured beside every backend: its best per size
                 by_mb[mb] = max(v, by_mb.get(mb, 0.0))
             xs = sorted(by_mb)
-            ax.plot(xs, [by_mb[x] for x in xs], marker="o", label=name, linestyle="--" if "ceiling" in name else "-")
+            color = colors.setdefault(name.replace(".get", ".put"), next(palette))
+            style = "--" if "ceiling" in name else "-"
+            ax.plot(xs, [by_mb[x] for x in xs], marker="o", label=name, color=color, linestyle=style)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("payload (MB)")
         ax.set_title(f"{op} throughput")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("GB/s")
-    axes[0].legend(fontsize=8)
+    for ax in axes:
+        ax.legend(fontsize=7)
     m = report["machine"]
     fig.suptitle(
         f"dataplane put/get, {n_fields} fields, jagged, {m.get('cpu_count')} CPUs, torch {m.get('torch')}"
