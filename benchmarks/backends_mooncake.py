@@ -3,7 +3,9 @@
 The raw ceiling moves the same bytes in the layout the adapter uses (one object per field, rows back
 to back) with ``batch_put_from`` / ``batch_get_into`` between registered buffers, from a client that
 lends no segment, into the same master and store server as the benchmark's client, over the same
-path (shared memory with the real client, or TCP), so ours/raw isolates our layer.
+path (shared memory with the real client, or TCP), so ours/raw isolates our layer. Puts compare like
+with like: ours from ordinary tensors against raw with the same copy into registered memory first,
+ours from ``client.empty()`` memory against raw from its registered buffer (no copy).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.backends import BenchBackend
+from benchmarks.backends import BenchBackend, RawTimes
 from benchmarks.workload import Batch
 
 __all__ = ["BACKENDS", "FieldSpec", "RawMooncake", "deployment_of", "field_buffers", "field_specs"]
@@ -270,25 +272,32 @@ def close_raw_clients() -> None:
         _RAW.popitem()[1].close()
 
 
-def raw_seconds(batch: Batch, repeat: int, client: Any) -> tuple[list[float], list[float]]:
-    """Raw Mooncake against the benchmark client's own master and store server."""
+def raw_seconds(batch: Batch, repeat: int, client: Any, warmup: int = 1) -> RawTimes:
+    """Raw Mooncake against the benchmark client's own master and store server, each repetition a
+    copy of the batch's ordinary tensors into the registered source arena (what a raw user holding
+    tensors must do first, as our put of ordinary tensors does), a ``batch_put_from`` from that
+    arena and a ``batch_get_into``. Put from "tensors": the copy and the put; from "empty": the put
+    alone (the batch already in registered memory, as ours from ``client.empty()`` memory)."""
     buffers = field_buffers(batch)
     total = sum(b.numel() for _, b in buffers)
     dep = deployment_of(client)
     raw = _raw_client(dep.master, total, dep.real_client)
-    raw.load(buffers)
-    puts, gets = [], []
-    for i in range(repeat + 1):
+    copied, puts, gets = [], [], []
+    for i in range(warmup + repeat):
         keys = [f"raw/{i}/{name}" for name, _ in buffers]
+        t0 = time.perf_counter()
+        raw.load(buffers)
+        tc = time.perf_counter() - t0
         tp = raw.put(keys)
         tg = raw.get(keys)
-        if i == 0 and not np.array_equal(raw.read_back(raw.src), raw.read_back()):
+        if i < warmup and not np.array_equal(raw.read_back(raw.src), raw.read_back()):
             raise RuntimeError("raw Mooncake round trip is not bit-exact")
         raw.remove(keys)
-        if i:
+        if i >= warmup:
+            copied.append(tc + tp)
             puts.append(tp)
             gets.append(tg)
-    return puts, gets
+    return RawTimes(get=gets, put={"tensors": copied, "empty": puts})
 
 
 def _reader_url(client: Any) -> tuple[str, dict[str, Any]]:
@@ -300,6 +309,11 @@ BACKENDS: list[BenchBackend] = [
         name="mooncake",
         url=f"mooncake://local?segment_bytes={SEGMENT_BYTES}",
         requires=("mooncake",),
+        put_from=("tensors", "empty"),
+        paths="a put of ordinary tensors copies them into the shared memory the store server reads, against "
+        "raw Mooncake's copy of the same tensors into its registered buffer plus batch_put_from; a put from "
+        "client.empty() memory sends with no copy, against raw batch_put_from of a batch already in registered "
+        "memory; gets against raw batch_get_into into a registered buffer",
         raw=raw_seconds,
         reader_url=_reader_url,
         before_close=close_raw_clients,

@@ -13,13 +13,13 @@ from typing import Any
 
 import torch
 
-from benchmarks.backends import BenchBackend
+from benchmarks.backends import BenchBackend, RawTimes
 from benchmarks.workload import Batch
 
 __all__ = ["BACKENDS"]
 
 
-def raw_seconds(batch: Batch, repeat: int, client: Any = None) -> tuple[list[float], list[float]]:
+def raw_seconds(batch: Batch, repeat: int, client: Any = None, warmup: int = 1) -> RawTimes:
     """Median-able put/get seconds of ``transfer_queue.kv_batch_put/kv_batch_get`` on ``batch``."""
     import transfer_queue as tq
     from tensordict import TensorDict
@@ -28,7 +28,7 @@ def raw_seconds(batch: Batch, repeat: int, client: Any = None) -> tuple[list[flo
     data = TensorDict(tensors, batch_size=[len(batch.keys)])
     names = list(tensors)
     puts, gets = [], []
-    for i in range(repeat + 1):
+    for i in range(warmup + repeat):
         pid = f"bench-raw-{i}"
         t0 = time.perf_counter()
         tq.kv_batch_put(keys=batch.keys, partition_id=pid, fields=data)
@@ -39,10 +39,10 @@ def raw_seconds(batch: Batch, repeat: int, client: Any = None) -> tuple[list[flo
             raise RuntimeError("raw TransferQueue get returned the wrong number of rows")
         del out
         tq.get_client().clear_partition(pid)
-        if i:  # the first round is the warm-up
+        if i >= warmup:
             puts.append(t1 - t0)
             gets.append(t2 - t1)
-    return puts, gets
+    return RawTimes(get=gets, put={"tensors": puts})
 
 
 def reader_url(client: Any) -> tuple[str, dict[str, Any]]:
@@ -61,11 +61,17 @@ def own_master() -> tuple[dict[str, Any], Any]:
     return {"master": master.address}, master.stop
 
 
+TQ_PATHS = (
+    "puts from ordinary tensors against TransferQueue's own kv_batch_put of the same tensors; TransferQueue "
+    "serialises every put, so client.empty() is torch.empty (no copy-free path)"
+)
+
 BACKENDS: list[BenchBackend] = [
     BenchBackend(
         name="tq-simple",
         url="tq://?backend=simple&timeout_s=600",
         requires=("transfer_queue", "ray"),
+        paths=TQ_PATHS,
         raw=raw_seconds,
         reader_url=reader_url,
     ),
@@ -73,6 +79,7 @@ BACKENDS: list[BenchBackend] = [
         name="tq-mooncake",
         url=f"tq://?backend=mooncake&timeout_s=600&segment_bytes={4 << 30}",
         requires=("transfer_queue", "ray", "mooncake"),
+        paths=TQ_PATHS,
         raw=raw_seconds,
         reader_url=reader_url,
         prepare=own_master,

@@ -1,39 +1,53 @@
 """``python -m benchmarks.put_get``: put/get throughput of every installed backend beside its ceilings.
 
 Every figure is measured in the same run as the ceilings it is compared with (memcpy into a
-preallocated buffer; the backend's raw API where one is wired in), so the ratios survive a noisy
-machine. Medians of ``--repeat`` timed runs after one warm-up, with min and max.
+preallocated buffer, just before each row; the backend's raw API where one is wired in), so the
+ratios survive a noisy machine. Medians of ``--repeat`` timed runs after one warm-up, with min, max
+and spread; figures whose repeats disagree or that beat memcpy are flagged noisy, not reported.
+A put is compared like with like: from ordinary tensors against raw with the same copy into the
+memory it sends from, and (where the backend has one) from ``client.empty()`` memory against raw
+from registered memory.
+
+Writes the report (JSON, markdown, PNG plot) to ``./put_get-<date>-<time>_<machine>.*`` unless
+told otherwise, and prints where:
 
     python -m benchmarks.put_get                      # every installed backend, default grid
-    python -m benchmarks.put_get --quick              # < 30 s smoke run (what CI runs)
-    python -m benchmarks.put_get --backend memory --sizes 128 --fields 1,32 --json out.json --plot out.png
+    python -m benchmarks.put_get --quick              # smoke run (what CI runs)
+    python -m benchmarks.put_get --backend memory --sizes 128 --fields 1,32 --out /tmp/mine
+    python -m benchmarks.put_get --report             # the dated report in benchmarks/reports/
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import gc
 import importlib.util
 import json
+import math
 import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 import dataplane
-from benchmarks.backends import BenchBackend, all_backends
-from benchmarks.harness import machine_info, median
+from benchmarks.backends import BenchBackend, RawTimes, all_backends
+from benchmarks.harness import default_out, machine_info, machine_label, median, paired
+from benchmarks.put_get_report import format_table, noisy_figures, plot, spread, to_markdown
 from benchmarks.readers import ReaderPool
-from benchmarks.workload import Batch, flat_views, human_bytes, make_batch
+from benchmarks.workload import Batch, flat_views, in_client_memory, make_batch
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+MEMCPY_REPEAT = 7  # at least this many memcpy timings per row (they are cheap): the ceiling is the fastest
 MB = 1 << 20
 CLOSE_TIMEOUT_S = 120.0
 START_TIMEOUT_S = 300.0  # bound on waiting for a backend started early (connect has its own bounds too)
@@ -44,15 +58,22 @@ class Timing:
     median_s: float
     min_s: float
     max_s: float
+    n: int
+    spread: float  # see benchmarks.put_get_report.spread
+    samples_s: list[float]  # every repetition, in the order timed
 
     @classmethod
     def of(cls, xs: list[float]) -> Timing:
-        return cls(median_s=median(xs), min_s=min(xs), max_s=max(xs))
+        return cls(median_s=median(xs), min_s=min(xs), max_s=max(xs), n=len(xs), spread=spread(xs), samples_s=list(xs))
 
 
 @dataclass
 class CaseResult:
+    """One row: a backend's put from ``put_from`` (see ``benchmarks.backends.PUT_FROM``) and the
+    get of what it put, beside memcpy and the backend's raw API starting from the same place."""
+
     backend: str
+    put_from: str
     size_mb: int
     n_fields: int
     layout: str
@@ -63,13 +84,19 @@ class CaseResult:
     get: Timing
     put_gbps: float
     get_gbps: float
-    memcpy_gbps: float
+    memcpy: Timing
+    memcpy_gbps: float  # the fastest memcpy: the ceiling
     put_vs_memcpy: float
     get_vs_memcpy: float
+    raw_put: Timing | None = None
+    raw_get: Timing | None = None
     raw_put_gbps: float | None = None
     raw_get_gbps: float | None = None
-    put_vs_raw: float | None = None
+    put_vs_raw: float | None = None  # paired median: raw's seconds over ours, repetition by repetition
     get_vs_raw: float | None = None
+    put_vs_raw_ci95: list[float] | None = None  # [low, high]: distribution-free 95% interval of that median
+    get_vs_raw_ci95: list[float] | None = None
+    noisy: dict[str, str] = field(default_factory=dict)  # figure -> why it is not a result
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -78,47 +105,65 @@ def _backends() -> list[BenchBackend]:
 
 
 def memcpy_seconds(batch: Batch, repeat: int) -> list[float]:
-    """Copy the batch's bytes into one preallocated buffer: the ceiling of any in-host data path."""
+    """Copy the batch's bytes into one preallocated buffer: the ceiling of any in-host data path.
+    Each repetition copies twice, with torch's threads and with one thread, and keeps the faster
+    (on a busy machine a multi-threaded copy waits for its slowest thread; on a big one it beats
+    one thread)."""
     views = flat_views(batch)
     dst = torch.empty(sum(v.numel() for v in views), dtype=torch.uint8)
+    threads = torch.get_num_threads()
     times = []
-    for i in range(repeat + 1):
-        t0 = time.perf_counter()
-        at = 0
-        for v in views:
-            dst[at : at + v.numel()].copy_(v)
-            at += v.numel()
-        if i:
-            times.append(time.perf_counter() - t0)
+    try:
+        for i in range(repeat + 1):
+            best = math.inf
+            for n in {threads, 1}:
+                torch.set_num_threads(n)
+                t0 = time.perf_counter()
+                at = 0
+                for v in views:
+                    dst[at : at + v.numel()].copy_(v)
+                    at += v.numel()
+                best = min(best, time.perf_counter() - t0)
+            if i:
+                times.append(best)
+    finally:
+        torch.set_num_threads(threads)
     return times
 
 
 def run_case(
-    client: dataplane.DataPlaneClient, batch: Batch, repeat: int, readers: ReaderPool | None = None
-) -> tuple[list[float], list[float]]:
-    """Put the batch, then get it by the meta the put returned (as an RL job ships it): in this
-    process, or in every reader process at once (wall time until the last one has it)."""
-    names = list(batch.fields)
-    puts, gets = [], []
-    for i in range(repeat + 1):
-        pid = f"bench-{os.getpid()}-{i}"
-        t0 = time.perf_counter()
-        meta = client.kv_batch_put(batch.keys, batch.fields, partition_id=pid)
-        t1 = time.perf_counter()
-        if readers is None:
-            out = client.kv_batch_get(meta, select_fields=names, layout="jagged")
-            t2 = time.perf_counter()
-            if out.batch_size[0] != len(batch.keys):
-                raise RuntimeError("benchmark get returned the wrong number of rows")
-            del out
-            get_s = t2 - t1
-        else:
-            get_s, _ = readers.get_all(meta, names)
-        client.kv_clear(partition_id=pid)
-        if i:  # the first round is the warm-up
-            puts.append(t1 - t0)
-            gets.append(get_s)
-    return puts, gets
+    client: dataplane.DataPlaneClient,
+    batches: dict[str, Batch],
+    repeat: int,
+    readers: ReaderPool | None = None,
+    warmup: int = 1,
+) -> dict[str, tuple[list[float], list[float]]]:
+    """Put each batch (one per put path: the same data, in different memory), then get it by the
+    meta the put returned (as an RL job ships it): in this process, or in every reader process at
+    once (wall time until the last one has it). The paths take turns in every repetition, so a
+    drift of the machine hits them alike. Per path: (put seconds, get seconds)."""
+    out: dict[str, tuple[list[float], list[float]]] = {path: ([], []) for path in batches}
+    for i in range(warmup + repeat):
+        for path, batch in batches.items():
+            names = list(batch.fields)
+            pid = f"bench-{os.getpid()}-{path}-{i}"
+            t0 = time.perf_counter()
+            meta = client.kv_batch_put(batch.keys, batch.fields, partition_id=pid)
+            t1 = time.perf_counter()
+            if readers is None:
+                got = client.kv_batch_get(meta, select_fields=names, layout="jagged")
+                t2 = time.perf_counter()
+                if got.batch_size[0] != len(batch.keys):
+                    raise RuntimeError("benchmark get returned the wrong number of rows")
+                del got
+                get_s = t2 - t1
+            else:
+                get_s, _ = readers.get_all(meta, names)
+            client.kv_clear(partition_id=pid)
+            if i >= warmup:
+                out[path][0].append(t1 - t0)
+                out[path][1].append(get_s)
+    return out
 
 
 class _Progress:
@@ -176,18 +221,16 @@ def ray_seconds(batch: Batch, repeat: int) -> tuple[list[float], list[float]] | 
 
 
 @dataclass
-class Ceilings:
-    memcpy_gbps: float
-    ray_put_gbps: float | None
-    ray_get_gbps: float | None
+class RayCeilings:
+    put_gbps: float | None
+    get_gbps: float | None
 
 
-def _ceilings(batch: Batch, repeat: int, with_ray: bool) -> Ceilings:
-    memcpy = batch.payload_bytes / median(memcpy_seconds(batch, repeat)) / 1e9
+def _ray_ceilings(batch: Batch, repeat: int, with_ray: bool) -> RayCeilings:
     ray_t = ray_seconds(batch, repeat) if with_ray else None
     if ray_t is None:
-        return Ceilings(memcpy, None, None)
-    return Ceilings(memcpy, batch.payload_bytes / median(ray_t[0]) / 1e9, batch.payload_bytes / median(ray_t[1]) / 1e9)
+        return RayCeilings(None, None)
+    return RayCeilings(batch.payload_bytes / median(ray_t[0]) / 1e9, batch.payload_bytes / median(ray_t[1]) / 1e9)
 
 
 def _measure(
@@ -195,32 +238,60 @@ def _measure(
     client: dataplane.DataPlaneClient,
     batch: Batch,
     case: tuple[int, int, str],
-    ceiling: Ceilings,
+    ray_ceilings: RayCeilings,
     args: argparse.Namespace,
     readers: ReaderPool | None,
-) -> CaseResult:
+) -> list[CaseResult]:
+    """One row per put path of the backend: memcpy just before, then ours and the raw API in turns,
+    one repetition each (raw first every other time), so a drift of the machine hits both alike and
+    ours/raw is a paired median."""
     size, n_fields, layout = case
-    puts, gets = run_case(client, batch, args.repeat, readers)
+    memcpy = Timing.of(memcpy_seconds(batch, max(args.repeat, MEMCPY_REPEAT)))
+    memcpy_gbps = batch.payload_bytes / memcpy.min_s / 1e9
+    batches = {path: batch if path == "tensors" else in_client_memory(batch, client) for path in backend.put_from}
+    raw_fn = backend.raw if readers is None else None
+    ours = run_case(client, batches, 0, readers)  # the warm-ups
+    raw = raw_fn(batch, 0, client, 1) if raw_fn is not None else None
+    for rep in range(args.repeat):
+        if raw is not None and raw_fn is not None and rep % 2:
+            _extend(raw, raw_fn(batch, 1, client, 0))
+        for path, (puts, gets) in run_case(client, batches, 1, readers, warmup=0).items():
+            ours[path][0].extend(puts)
+            ours[path][1].extend(gets)
+        if raw is not None and raw_fn is not None and not rep % 2:
+            _extend(raw, raw_fn(batch, 1, client, 0))
+    del batches
     n_readers = 0 if readers is None else len(readers.procs)
     got_bytes = batch.payload_bytes * max(1, n_readers)  # aggregate over readers
-    put_gbps = batch.payload_bytes / median(puts) / 1e9
-    get_gbps = got_bytes / median(gets) / 1e9
-    res = CaseResult(
-        backend=backend.name, size_mb=size, n_fields=n_fields, layout=layout, readers=n_readers,
-        payload_bytes=batch.payload_bytes, padded_bytes=batch.padded_bytes,
-        put=Timing.of(puts), get=Timing.of(gets), put_gbps=put_gbps, get_gbps=get_gbps,
-        memcpy_gbps=ceiling.memcpy_gbps, put_vs_memcpy=put_gbps / ceiling.memcpy_gbps,
-        get_vs_memcpy=get_gbps / ceiling.memcpy_gbps,
-    )  # fmt: skip
-    res.extra["ray_put_gbps"] = ceiling.ray_put_gbps
-    res.extra["ray_get_gbps"] = ceiling.ray_get_gbps
-    if backend.raw is not None and readers is None:
-        raw_puts, raw_gets = backend.raw(batch, args.repeat, client)
-        res.raw_put_gbps = batch.payload_bytes / median(raw_puts) / 1e9
-        res.raw_get_gbps = batch.payload_bytes / median(raw_gets) / 1e9
-        res.put_vs_raw = put_gbps / res.raw_put_gbps
-        res.get_vs_raw = get_gbps / res.raw_get_gbps
-    return res
+    out = []
+    for path, (puts, gets) in ours.items():
+        put_gbps = batch.payload_bytes / median(puts) / 1e9
+        get_gbps = got_bytes / median(gets) / 1e9
+        res = CaseResult(
+            backend=backend.name, put_from=path, size_mb=size, n_fields=n_fields, layout=layout, readers=n_readers,
+            payload_bytes=batch.payload_bytes, padded_bytes=batch.padded_bytes,
+            put=Timing.of(puts), get=Timing.of(gets), put_gbps=put_gbps, get_gbps=get_gbps,
+            memcpy=memcpy, memcpy_gbps=memcpy_gbps, put_vs_memcpy=put_gbps / memcpy_gbps,
+            get_vs_memcpy=get_gbps / memcpy_gbps,
+        )  # fmt: skip
+        res.extra["ray_put_gbps"] = ray_ceilings.put_gbps
+        res.extra["ray_get_gbps"] = ray_ceilings.get_gbps
+        if raw is not None and path in raw.put:
+            res.raw_put, res.raw_get = Timing.of(raw.put[path]), Timing.of(raw.get)
+            res.raw_put_gbps = batch.payload_bytes / res.raw_put.median_s / 1e9
+            res.raw_get_gbps = batch.payload_bytes / res.raw_get.median_s / 1e9
+            put_paired, get_paired = paired(raw.put[path], puts), paired(raw.get, gets)
+            res.put_vs_raw, res.get_vs_raw = put_paired["median"], get_paired["median"]
+            res.put_vs_raw_ci95 = [put_paired["low"], put_paired["high"]]
+            res.get_vs_raw_ci95 = [get_paired["low"], get_paired["high"]]
+        out.append(res)
+    return out
+
+
+def _extend(into: RawTimes, more: RawTimes) -> None:
+    into.get.extend(more.get)
+    for path, xs in more.put.items():
+        into.put.setdefault(path, []).extend(xs)
 
 
 def _start_early(installed: list[BenchBackend], args: argparse.Namespace) -> dict[str, Future[Any]]:
@@ -310,14 +381,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             installed.append(b)
     cases = list(_grid(args))
     progress = _Progress(len(cases) * len(installed), enabled=not args.no_progress)
+    machine = machine_info()
     results: list[CaseResult] = []
-    ceilings: dict[tuple[int, int, str], Ceilings] = {}
+    ceilings: dict[tuple[int, int, str], RayCeilings] = {}
     notes: dict[str, str] = {}
     if args.quick:
         notes["quick"] = "smoke run: the first TransferQueue backend starts while the backends before it are measured"
     closing = _Closer()
     ray_was_up = _ray_is_up()
     early = _start_early(installed, args)
+    if not args.quick:  # nothing starts while anything is measured (a smoke run does not care)
+        futures.wait(list(early.values()), timeout=START_TIMEOUT_S)
     try:
         for backend in installed:
             closing.wait_for(backend.url.split(":", 1)[0])  # one TransferQueue per process at a time
@@ -353,8 +427,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     size, n_fields, layout = case
                     batch = make_batch(size * MB, n_fields, layout=layout, objects=args.objects)  # type: ignore[arg-type]
                     if case not in ceilings:
-                        ceilings[case] = _ceilings(batch, args.repeat, with_ray=args.ray)
-                    results.append(_measure(backend, client, batch, case, ceilings[case], args, readers))
+                        ceilings[case] = _ray_ceilings(batch, args.repeat, with_ray=args.ray)
+                    results += _measure(backend, client, batch, case, ceilings[case], args, readers)
                     del batch
                     gc.collect()
                     progress.step(f"{backend.name} {size}MB x{n_fields} {layout}")
@@ -378,10 +452,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         ray.shutdown()
     progress.close()
+    if hasattr(os, "getloadavg"):
+        machine["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+    rows = [asdict(r) for r in results]
+    for row in rows:
+        row["noisy"] = noisy_figures(row)
     return {
         "schema_version": SCHEMA_VERSION,
+        "benchmark": "put_get",
+        "date": datetime.date.today().isoformat(),
         "created_unix": time.time(),
-        "machine": machine_info(),
+        "command": args.command,
+        "machine": machine,
         "config": {
             "sizes_mb": args.sizes,
             "fields": args.fields,
@@ -390,86 +472,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "readers": args.readers,
         },
         "backends": {b.name: skipped.get(b.name, "ok") for b in chosen},
+        "paths": {b.name: b.paths for b in installed},
         "notes": notes,
-        "results": [asdict(r) for r in results],
+        "results": rows,
     }
-
-
-def format_table(report: dict[str, Any]) -> str:
-    head = (
-        "backend",
-        "payload",
-        "fields",
-        "layout",
-        "put GB/s",
-        "get GB/s",
-        "put ms",
-        "get ms",
-        "put/memcpy",
-        "get/memcpy",
-        "put/raw",
-        "get/raw",
-    )
-    rows = [head]
-    for r in report["results"]:
-        rows.append((
-            r["backend"], human_bytes(r["payload_bytes"]), str(r["n_fields"]), r["layout"],
-            f"{r['put_gbps']:.2f}", f"{r['get_gbps']:.2f}",
-            f"{r['put']['median_s'] * 1e3:.1f}", f"{r['get']['median_s'] * 1e3:.1f}",
-            f"{r['put_vs_memcpy']:.2f}", f"{r['get_vs_memcpy']:.2f}",
-            "-" if r["put_vs_raw"] is None else f"{r['put_vs_raw']:.2f}",
-            "-" if r["get_vs_raw"] is None else f"{r['get_vs_raw']:.2f}",
-        ))  # fmt: skip
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    for name, status in report["backends"].items():
-        if status != "ok":
-            lines.append(f"skipped {name}: {status}")
-    return "\n".join(lines)
-
-
-def plot(report: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    counts = report["config"]["fields"]
-    n_fields = 8 if 8 in counts else max(counts)  # 8: an RL batch's usual handful of fields
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for ax, op in zip(axes, ("put", "get"), strict=True):
-        series: dict[str, list[tuple[float, float]]] = {}
-        for r in report["results"]:
-            if r["layout"] == "jagged" and r["n_fields"] == n_fields and r["readers"] == report["config"]["readers"]:
-                mb = r["payload_bytes"] / 1e6
-                series.setdefault(r["backend"], []).append((mb, r[f"{op}_gbps"]))
-                series.setdefault("memcpy ceiling", []).append((mb, r["memcpy_gbps"]))
-                ray = r.get("extra", {}).get(f"ray_{op}_gbps")
-                if ray:
-                    series.setdefault(f"ray.{op} ceiling", []).append((mb, ray))
-        for name, pts in series.items():
-            pts = sorted(set(pts))
-            ax.plot(
-                [p[0] for p in pts],
-                [p[1] for p in pts],
-                marker="o",
-                label=name,
-                linestyle="--" if "ceiling" in name else "-",
-            )
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("payload (MB)")
-        ax.set_title(f"{op} throughput")
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0].set_ylabel("GB/s")
-    axes[1].legend(fontsize=8)
-    m = report["machine"]
-    fig.suptitle(
-        f"dataplane put/get, {n_fields} fields, jagged, {m.get('cpu_count')} CPUs, torch {m.get('torch')}", fontsize=10
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def _csv_ints(s: str) -> list[int]:
@@ -492,11 +498,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--readers", type=int, default=0, help="N reader processes get each batch at once (default 0: the writer reads)"
     )
     p.add_argument("--no-ray", dest="ray", action="store_false", help="skip the raw ray.put/ray.get ceiling")
-    p.add_argument("--quick", action="store_true", help="small grid, < 30 s (CI smoke run)")
-    p.add_argument("--json", metavar="PATH", help="write the report as JSON")
-    p.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)")
+    p.add_argument("--quick", action="store_true", help="small grid, few repeats (the CI smoke run)")
+    out = p.add_argument_group("output (default: ./put_get-<date>-<time>_<machine>.json, .md and .png)")
+    out.add_argument("--out", metavar="STEM", help="write STEM.json, STEM.md and STEM.png instead")
+    out.add_argument(
+        "--report",
+        action="store_true",
+        help="write the dated report benchmarks/reports/<date>_<machine>_put_get.* (then add it to the index)",
+    )
+    out.add_argument("--json", metavar="PATH", help="write the JSON here (with --plot: only these files)")
+    out.add_argument("--plot", metavar="PATH", help="write the PNG plot here (needs matplotlib)")
+    out.add_argument("--no-output", action="store_true", help="write no file, print the table only")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    args.command = " ".join(["python -m benchmarks.put_get", *(sys.argv[1:] if argv is None else argv)])
     quick = args.quick
     args.sizes = args.sizes or ([4] if quick else [1, 16, 128])
     args.fields = args.fields or ([1, 8] if quick else [1, 8, 32])
@@ -505,17 +520,52 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def output_paths(args: argparse.Namespace, machine: dict[str, Any]) -> dict[str, Path]:
+    """Where the report goes: ``json``, ``md`` and ``png`` (see ``--help``); empty with --no-output."""
+    if args.no_output:
+        return {}
+    if args.json or args.plot:  # only the files asked for
+        return {k: Path(v) for k, v in (("json", args.json), ("png", args.plot)) if v}
+    if args.out:
+        stem = Path(args.out)
+    elif args.report:
+        stem = default_out("put_get", machine)
+    else:
+        stem = Path(f"put_get-{datetime.datetime.now():%Y-%m-%d-%H%M}_{machine_label(machine)}")
+    return {ext: stem.with_name(stem.name + f".{ext}") for ext in ("json", "md", "png")}
+
+
+def write_outputs(report: dict[str, Any], paths: dict[str, Path]) -> list[str]:
+    """Write the report's files; what was written, for the closing lines."""
+    done = []
+    for path in paths.values():
+        path.parent.mkdir(parents=True, exist_ok=True)
+    if "png" in paths:
+        try:
+            plot(report, str(paths["png"]))
+            done.append(str(paths["png"]))
+        except ImportError:
+            print("no plot: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+            del paths["png"]
+    if "md" in paths:
+        paths["md"].write_text(to_markdown(report, paths["png"].name if "png" in paths else None))
+        done.append(str(paths["md"]))
+    if "json" in paths:
+        paths["json"].write_text(json.dumps(report, indent=1) + "\n")
+        done.append(str(paths["json"]))
+    return done
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     report = run(args)
     print(format_table(report))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-        print(f"wrote {args.json}")
-    if args.plot:
-        plot(report, args.plot)
-        print(f"wrote {args.plot}")
+    written = write_outputs(report, output_paths(args, report["machine"]))
+    if written:
+        print(f"wrote {', '.join(written)}")
+        print("(--out STEM to write elsewhere, --no-output for no files; --help lists every option)")
+    else:
+        print("wrote no files (--no-output); --help lists every option")
     return 0
 
 

@@ -55,26 +55,104 @@ def _installed_backends() -> set[str]:
 @pytest.mark.slow
 def test_put_get_measures_every_installed_backend_and_matches_schema(tmp_path: Path) -> None:
     """``--quick`` (what CI runs) on the smallest grid with both layouts and a scalar field: every
-    installed backend is measured beside memcpy (and its raw API: every backend but memory)."""
-    path = tmp_path / "bench.json"
+    installed backend is measured beside memcpy (and its raw API: every backend but memory), each
+    put path a row compared with raw from the same place, and the report is written where ``--out``
+    says (JSON, markdown, PNG)."""
+    stem = tmp_path / "bench"
     args = ("--quick", "--sizes", "1", "--fields", "4", "--layouts", "jagged,padded", "--repeat", "1")
-    stdout = _run("put_get", *args, "--no-progress", "--json", str(path))
-    report = json.loads(path.read_text())
+    stdout = _run("put_get", *args, "--no-progress", "--out", str(stem))
+    report = json.loads(stem.with_suffix(".json").read_text())
     jsonschema.validate(report, json.loads((ROOT / "benchmarks" / "put_get.schema.json").read_text()))
     installed = _installed_backends()
     assert installed >= {"memory"}
     assert {name for name, status in report["backends"].items() if status == "ok"} == installed, report["backends"]
-    got = {(r["backend"], r["n_fields"], r["layout"]) for r in report["results"]}
-    assert got == {(b, 4, lay) for b in installed for lay in ("jagged", "padded")}
+    paths = {"memory": ("tensors",), "mooncake": ("tensors", "empty")}
+    got = {(r["backend"], r["put_from"], r["n_fields"], r["layout"]) for r in report["results"]}
+    assert got == {
+        (b, path, 4, lay) for b in installed for path in paths.get(b, ("tensors",)) for lay in ("jagged", "padded")
+    }
     for r in report["results"]:
         assert r["put_gbps"] > 0 and r["get_gbps"] > 0 and r["memcpy_gbps"] > 0
         assert r["put"]["min_s"] <= r["put"]["median_s"] <= r["put"]["max_s"]
+        assert r["memcpy_gbps"] == pytest.approx(r["payload_bytes"] / r["memcpy"]["min_s"] / 1e9)
         if r["layout"] == "jagged":  # jagged fields carry no padding
             assert r["padded_bytes"] > r["payload_bytes"]
         if r["backend"] != "memory":  # every backend but memory is compared with its raw API
             assert r["put_vs_raw"] is not None and r["get_vs_raw"] is not None
-    assert report["machine"]["cpu_count"] == os.cpu_count()
-    assert "put GB/s" in stdout
+            assert r["raw_put"]["n"] == 1
+    if "mooncake" in installed:  # raw's put from tensors includes the copy into registered memory
+        by_path = {r["put_from"]: r for r in report["results"] if r["backend"] == "mooncake"}
+        assert by_path["tensors"]["raw_put"]["median_s"] > by_path["empty"]["raw_put"]["median_s"]
+    assert set(report["paths"]) == installed and all(report["paths"].values())
+    assert report["machine"]["cpu_count"] == os.cpu_count() and "loadavg_after" in report["machine"]
+    assert "put GB/s" in stdout and "memcpy GB/s" in stdout and "raw put GB/s" in stdout
+    assert f"wrote {stem}.png, {stem}.md, {stem}.json" in stdout and "--no-output" in stdout
+    md = stem.with_suffix(".md").read_text()
+    assert "memcpy GB/s" in md and "(bench.png)" in md and stem.with_suffix(".png").stat().st_size > 0
+
+
+def test_put_get_flags_noisy_figures_instead_of_reporting_them() -> None:
+    """A figure whose repeats spread widely, or above 1.3x the memcpy beside it, is printed as
+    ``noisy`` (with its value and why under the table), and so is its ratio to memcpy; a paired
+    ratio to raw is noisy where its own 95% interval is wide, not where the machine's drift moved
+    ours and raw alike."""
+    from benchmarks.put_get_report import format_table, noisy_figures, spread
+
+    assert spread([1.0, 1.0, 1.0]) == 0.0
+    assert spread([1.0, 2.0]) == pytest.approx(1 / 1.5)  # below 4 repeats: the full range
+    assert spread([0.1, 1.0, 1.1, 1.0, 1.05, 9.0, 1.02, 1.08]) == pytest.approx(0.08 / 1.035)  # the middle half
+
+    def timing(spread: float) -> dict[str, Any]:
+        return {"median_s": 1.0, "min_s": 1.0, "max_s": 1.0, "n": 9, "spread": spread, "samples_s": [1.0] * 9}
+
+    row: dict[str, Any] = {
+        "backend": "mooncake", "put_from": "tensors", "payload_bytes": 1 << 20, "n_fields": 8, "layout": "jagged",
+        "readers": 0, "put": timing(0.1), "get": timing(0.9), "memcpy": timing(3.0), "raw_put": timing(0.1),
+        "raw_get": timing(0.9), "put_gbps": 29.0, "get_gbps": 0.5, "memcpy_gbps": 1.0, "raw_put_gbps": 1.0,
+        "raw_get_gbps": 1.2, "put_vs_memcpy": 29.0, "get_vs_memcpy": 0.5, "put_vs_raw": 29.0, "get_vs_raw": 0.42,
+        "put_vs_raw_ci95": [28.0, 30.0], "get_vs_raw_ci95": [0.40, 0.44],
+    }  # fmt: skip
+    row["noisy"] = noisy = noisy_figures(row)
+    assert set(noisy) == {"put_gbps", "get_gbps", "raw_get_gbps", "put_vs_memcpy", "get_vs_memcpy", "put_vs_raw"}
+    assert "29.00x the memcpy ceiling" in noisy["put_gbps"] and "spans 90%" in noisy["get_gbps"]
+    table = format_table({"results": [row], "backends": {"mooncake": "ok"}})
+    line = table.splitlines()[2]
+    assert "29.00" not in line and line.split()[-9:] == [
+        "noisy",
+        "noisy",
+        "1.00",
+        "1.00",
+        "noisy",
+        *["noisy"] * 3,
+        "0.42",
+    ]
+    assert "put GB/s 29.00: 29.00x the memcpy ceiling" in table
+    row["put_gbps"], row["get_vs_raw_ci95"] = 0.9, [0.2, 0.7]
+    assert set(noisy_figures(row)) == {"get_gbps", "raw_get_gbps", "get_vs_memcpy", "get_vs_raw"}
+
+
+def test_put_get_writes_its_report_where_it_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """By default ``./put_get-<date>-<time>_<machine>.{json,md,png}``; ``--out STEM``, ``--report``
+    (the dated report in benchmarks/reports/), ``--json``/``--plot`` (only those) or ``--no-output``."""
+    from benchmarks.harness import REPORTS
+    from benchmarks.put_get import output_paths, parse_args
+
+    machine = {"cpu_count": 2}
+    monkeypatch.chdir(tmp_path)
+    default = output_paths(parse_args([]), machine)
+    assert sorted(default) == ["json", "md", "png"]
+    assert re.fullmatch(r"put_get-\d{4}-\d\d-\d\d-\d{4}_2cpu\.json", str(default["json"]))
+    assert output_paths(parse_args(["--out", "x/y"]), machine)["md"] == Path("x/y.md")
+    assert output_paths(parse_args(["--report"]), machine)["png"].parent == REPORTS
+    assert output_paths(parse_args(["--json", "a.json"]), machine) == {"json": Path("a.json")}
+    assert output_paths(parse_args(["--no-output"]), machine) == {}
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    usage = capsys.readouterr().out
+    for option in ("--out", "--report", "--json", "--plot", "--no-output"):
+        assert option in usage
 
 
 @pytest.mark.slow
@@ -91,8 +169,9 @@ def test_put_get_reader_processes_get_the_batch(tmp_path: Path) -> None:
     assert main([*args, "--no-progress", "--json", str(path)]) == 0
     report = json.loads(path.read_text())
     assert report["backends"] == {"mooncake": "ok"}, report
-    (r,) = report["results"]
-    assert r["readers"] == 1 and r["get_gbps"] > 0
+    assert {r["put_from"] for r in report["results"]} == {"tensors", "empty"}
+    for r in report["results"]:
+        assert r["readers"] == 1 and r["get_gbps"] > 0 and r["raw_put"] is None
 
 
 @pytest.mark.slow
