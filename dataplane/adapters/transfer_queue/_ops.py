@@ -47,7 +47,7 @@ from dataplane.adapters.transfer_queue._layout import (
     split_fields,
     to_tq,
 )
-from dataplane.adapters.transfer_queue._mooncake_backend import MooncakeData, ReadPlan
+from dataplane.adapters.transfer_queue._mooncake_backend import MooncakeData, ReadPlan, RowsChanged
 from dataplane.adapters.transfer_queue._pack import (
     ParsedPack,
     StaleSchema,
@@ -80,6 +80,19 @@ def _marker_with(marker: str | None, fields: frozenset[str]) -> str:
 def _log_failure(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled() and fut.exception() is not None:
         log.warning("dataplane: rolling back a failed put failed; its new keys may remain: %s", fut.exception())
+
+
+_CLEARED_RETRIES = 4  # reads of a get whose rows another process clears meanwhile
+
+
+def _cleared_under_read(e: BaseException) -> bool:
+    """Whether ``e`` is TransferQueue's ``StorageKeyNotFoundError``: a storage unit no longer held a
+    row the controller had just named (a concurrent clear)."""
+    try:
+        from transfer_queue import StorageKeyNotFoundError
+    except ImportError:  # pragma: no cover - other TransferQueue versions: by its marker
+        return isinstance(e, KeyError) and "TQKeyNotFound" in str(e)
+    return isinstance(e, StorageKeyNotFoundError)
 
 
 def _missing_fields(
@@ -243,8 +256,31 @@ class TQOps:
     async def get(
         self, partition_id: str, keys: Sequence[str], fields: Sequence[str], carried: Mapping[str, Any] | None
     ) -> dict[str, Column]:
-        if self.mooncake is None:
-            return await self._packed_get(partition_id, keys, list(fields), carried)
+        for attempt in range(_CLEARED_RETRIES):
+            try:
+                if self.mooncake is None:
+                    return await self._packed_get(partition_id, keys, list(fields), carried)
+                return await self._mooncake_get(partition_id, keys, fields, carried)
+            except Exception as e:  # a row cleared or rewritten between the controller's answer and the read
+                if not isinstance(e, RowsChanged) and not _cleared_under_read(e):
+                    raise
+                last = e
+                if attempt:  # under heavy churn, let a burst of clears pass
+                    await asyncio.sleep(0.005 * 2**attempt)
+        # the next round finds the rows rewritten and reads them, or finds them gone and names them;
+        # here every round lost its rows to another clear or rewrite
+        if isinstance(last.__cause__, DataPlaneError):  # a record that never matched: not churn
+            raise last.__cause__
+        raise KeyNotFound(
+            f"partition {partition_id!r}: rows of this get were cleared or rewritten while it read them, "
+            f"{_CLEARED_RETRIES} times in a row ({last}); another process keeps rewriting and clearing them. "
+            "Read rows once their writers are done with them"
+        ) from last
+
+    async def _mooncake_get(
+        self, partition_id: str, keys: Sequence[str], fields: Sequence[str], carried: Mapping[str, Any] | None
+    ) -> dict[str, Column]:
+        assert self.mooncake is not None
         skeys = [schema_key(f) for f in fields]
         known = {f: FieldSchema.from_dict(carried[f]) for f in fields if carried and f in carried}
         if len(known) == len(fields):
@@ -262,7 +298,10 @@ class TQOps:
             markers = [split_fields(t.get(MARKER)) for t in bm.custom_meta]
             raise _missing_fields(partition_id, keys, absent, markers, known)
         n = len(keys)
-        plans = {f: ReadPlan(known[f], self._lengths(f, known[f], bm.field_schema[f], n)) for f in fields}
+        try:
+            plans = {f: ReadPlan(known[f], self._lengths(f, known[f], bm.field_schema[f], n)) for f in fields}
+        except DataPlaneError as e:  # read mid-way through another process's put or clear of these rows?
+            raise RowsChanged(str(e)) from e
         got: dict[str, Column] = await self._in_thread(self.mooncake.get, bm.global_indexes, plans)
         return got
 
