@@ -20,6 +20,7 @@ Every process joins with ``dataplane.connect(url)``; the functions here are the 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import random
 import time
 import traceback
@@ -57,7 +58,9 @@ def _ready(conn: Connection) -> bool:
     return bool(conn.recv())
 
 
-def writer(url: str, first: int, seconds: float, scale: int, clears: bool, conn: Connection) -> None:
+def writer(
+    url: str, first: int, seconds: float, scale: int, clears: bool, env: dict[str, str], conn: Connection
+) -> None:
     """Put every key once (before the churn starts), then rewrite random subsets of the keys (``x``, often ``y`` and ``m`` too) until ``seconds`` pass;
     with ``clears``, clear a few keys, now and then the whole partition, after some puts. A full
     store pushes back with ``CapacityExceeded``: the writer waits a little and goes on, as a rollout
@@ -74,6 +77,7 @@ def writer(url: str, first: int, seconds: float, scale: int, clears: bool, conn:
         return out
 
     try:
+        os.environ.update(env)
         with dataplane.connect(url, timeout_s=60) as c:
             ids = [int(k[1:]) for k in KEYS]
             c.kv_batch_put(KEYS, fields_of(version, ids, True), partition_id=PARTITION)  # every key, to start
@@ -103,10 +107,11 @@ def writer(url: str, first: int, seconds: float, scale: int, clears: bool, conn:
     conn.send((puts, cleared, error))
 
 
-def clearer(url: str, seconds: float, conn: Connection) -> None:
+def clearer(url: str, seconds: float, env: dict[str, str], conn: Connection) -> None:
     """Clear some keys, or the whole partition, every few milliseconds. Sends ``(clears, error)``."""
     rng, n, error = random.Random(7), 0, None
     try:
+        os.environ.update(env)
         with dataplane.connect(url, timeout_s=60) as c:
             if not _ready(conn):
                 return
@@ -137,13 +142,14 @@ def _bad_row(key: str, x: torch.Tensor, y: int | None, m: Any, scale: int) -> st
     return None
 
 
-def reader(url: str, seed: int, seconds: float, scale: int, conn: Connection) -> None:
+def reader(url: str, seed: int, seconds: float, scale: int, env: dict[str, str], conn: Connection) -> None:
     """Get random keys, by keys, until ``seconds`` pass (and :data:`MIN_OPS` gets were tried); check
     every row. Sends ``(gets, rows,
     missing, problem)``: gets that returned, rows checked, gets that raised ``KeyNotFound``, and
     the first bad row or other error (None when there was none)."""
     rng, gets, rows, missing, problem, last_missing = random.Random(seed), 0, 0, 0, None, ""
     try:
+        os.environ.update(env)
         with dataplane.connect(url, timeout_s=60) as c:
             if not _ready(conn):
                 return
@@ -218,12 +224,15 @@ def run_churn(
     whatever joining costs (seconds on Ray). A process that has not joined within
     ``join_timeout_s`` fails the run."""
     ctx: Any = mp.get_context(context)
+    # this process's environment as it is now: a forkserver started earlier has an older one, and
+    # joining may need what was set since (a Ray this process started sets its session's variables)
+    env = dict(os.environ)
     jobs: list[tuple[Callable[..., None], tuple[Any, ...]]] = [
-        (writer, (url, w, seconds, scale, writers_clear)) for w in range(writers)
+        (writer, (url, w, seconds, scale, writers_clear, env)) for w in range(writers)
     ]
     if clearer_process:
-        jobs.append((clearer, (url, seconds)))
-    jobs += [(reader, (url, 100 + r, seconds, scale)) for r in range(readers)]
+        jobs.append((clearer, (url, seconds, env)))
+    jobs += [(reader, (url, 100 + r, seconds, scale, env)) for r in range(readers)]
     started: list[tuple[str, Connection, Any]] = []
     report = ChurnReport()
     try:

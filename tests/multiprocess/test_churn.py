@@ -2,14 +2,18 @@
 reader processes get them (:mod:`dataplane.testing.churn`). Readers see only ``KeyNotFound`` for rows
 cleared under them, never another error, and every row they get is exactly one a writer wrote.
 
-``mooncake://local``, ``tq://?backend=simple`` and ``tq://?backend=mooncake``: the test process owns
-each deployment, and the churn processes join it by URL (``join_url`` on Mooncake; on ``tq://``,
-``ray_address=`` the module's Ray, which the two TransferQueue deployments use in turn). A few
-seconds of churn each in CI; ``test_churn_soak`` runs a minute each.
+``mooncake://local`` and ``tq://?backend=simple`` in CI, a couple of seconds of churn each;
+``test_churn_soak`` runs a minute each, with short rows and long ones, and ``tq://?backend=mooncake``
+too. The test process owns each deployment, and the churn processes join it by URL (``join_url`` on
+Mooncake; on ``tq://``, ``ray_address=`` the module's Ray, which the TransferQueue deployments use in
+turn).
 
-Still open on ``tq://?backend=mooncake`` (marked xfail): a reader sometimes gets, four reads in a
-row, TransferQueue's per-row shape record of the object field ``m`` not matching its schema, and
-raises ``DataPlaneError`` instead of reading the row or raising ``KeyNotFound``.
+Still open on ``tq://?backend=mooncake`` (xfail, soak only): TransferQueue keeps a row's bytes in
+Mooncake under its global index, which a clear frees and a later put of another key reuses, so a
+get that read a row's index before a clear and its bytes after can return another key's row (seen
+here: ``k31`` read as ``k0``'s row), and TransferQueue's per-row record of a field can be missing
+mid-put (``DataPlaneError``). A fix needs a per-put stamp on each row, checked again after the
+read (one more controller round trip per get); see docs/backends/transfer_queue.md, Limits.
 """
 
 from __future__ import annotations
@@ -30,24 +34,20 @@ HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None
 
 pytestmark = [pytest.mark.multiprocess]
 
-CHURN_SECONDS = 3.0
+CHURN_SECONDS = 2.0
 SOAK_SECONDS = 60.0
 
-BACKENDS = [
-    pytest.param("mooncake://local?segment_bytes=256MiB", marks=pytest.mark.mooncake, id="mooncake"),
-    pytest.param("tq://?backend=simple", marks=pytest.mark.tq, id="tq-simple"),
-    pytest.param(
-        "tq://?backend=mooncake&segment_bytes=268435456",
-        marks=[
-            pytest.mark.tq,
-            pytest.mark.skipif(not HAVE_MOONCAKE, reason="needs Mooncake"),
-            # Left open: a reader now and then finds TQ's per-row record of an object field that does
-            # not match its schema on every retry (DataPlaneError); see the module docstring.
-            pytest.mark.xfail(reason="tq://?backend=mooncake: a record mismatch under churn", strict=False),
-        ],
-        id="tq-mooncake",
-    ),
-]
+MOONCAKE = pytest.param("mooncake://local?segment_bytes=256MiB", marks=pytest.mark.mooncake, id="mooncake")
+TQ_SIMPLE = pytest.param("tq://?backend=simple", marks=pytest.mark.tq, id="tq-simple")
+TQ_MOONCAKE = pytest.param(
+    "tq://?backend=mooncake&segment_bytes=268435456",
+    marks=[
+        pytest.mark.tq,
+        pytest.mark.skipif(not HAVE_MOONCAKE, reason="needs Mooncake"),
+        pytest.mark.xfail(reason="tq://?backend=mooncake returns another key's row under churn", strict=False),
+    ],
+    id="tq-mooncake",
+)
 
 
 @pytest.fixture(scope="module")
@@ -96,14 +96,14 @@ def _churn(url: str, request: pytest.FixtureRequest, seconds: float, scale: int 
             owner.close()
 
 
-@pytest.mark.parametrize("url", BACKENDS)
+@pytest.mark.parametrize("url", [MOONCAKE, TQ_SIMPLE])
 def test_readers_see_only_whole_rows_or_key_not_found(url: str, request: pytest.FixtureRequest) -> None:
     _churn(url, request, CHURN_SECONDS)
 
 
 @pytest.mark.soak
 @pytest.mark.slow
-@pytest.mark.parametrize("url", BACKENDS)
+@pytest.mark.parametrize("url", [MOONCAKE, TQ_SIMPLE, TQ_MOONCAKE])
 @pytest.mark.parametrize("scale", [1, 400], ids=["short-rows", "long-rows"])
 def test_churn_soak(url: str, scale: int, request: pytest.FixtureRequest) -> None:
     """The churn above for a minute, with short rows and with rows of up to 5,200 tokens."""

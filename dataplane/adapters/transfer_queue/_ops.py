@@ -398,9 +398,11 @@ class TQOps:
             return None
         shapes = tq.get("per_sample_shapes")
         if not shapes or len(shapes) != n or any(s is None or tuple(s[1:]) != schema.inner_shape for s in shapes):
+            seen = None if not shapes else sorted({str(s) for s in shapes})[:4]
             raise DataPlaneError(
-                f"TransferQueue's record of field {field!r} does not match {schema.describe()}; the partition was "
-                "probably written by something other than dataplane"
+                f"TransferQueue's record of field {field!r} ({len(shapes or ())} row shapes for {n} rows, e.g. "
+                f"{seen}) does not match {schema.describe()}; the partition was probably written by something "
+                "other than dataplane"
             )
         return [int(s[0]) for s in shapes]
 
