@@ -12,8 +12,9 @@ Still open on ``tq://?backend=mooncake`` (xfail, soak only): TransferQueue keeps
 Mooncake under its global index, which a clear frees and a later put of another key reuses, so a
 get that read a row's index before a clear and its bytes after can return another key's row (seen
 here: ``k31`` read as ``k0``'s row), and TransferQueue's per-row record of a field can be missing
-mid-put (``DataPlaneError``). A fix needs a per-put stamp on each row, checked again after the
-read (one more controller round trip per get); see docs/backends/transfer_queue.md, Limits.
+mid-put (``DataPlaneError``). On ``backend=simple`` each row blob carries its key's hash and such a
+read is read again; the Mooncake objects need a stamp of the same kind (see
+docs/backends/transfer_queue.md, Limits).
 """
 
 from __future__ import annotations

@@ -28,12 +28,13 @@ from typing import Any
 
 import torch
 
+from dataplane.adapters.transfer_queue._layout import RowsChanged
 from dataplane.codec.jagged import offsets_from_lengths
 from dataplane.codec.wire import Column
 from dataplane.errors import BackendUnavailable, CapacityExceeded, DataPlaneError, KeyNotFound
 from dataplane.schema import FieldSchema
 
-__all__ = ["MooncakeData", "ReadPlan", "RowsChanged"]
+__all__ = ["MooncakeData", "ReadPlan"]
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +68,6 @@ def _executor() -> ThreadPoolExecutor:
 # or now of another size than the controller recorded (-600 for a buffer too small, or a short read).
 _CHANGED = (-600, -703, -704)
 _RETRIES = 4
-
-
-class RowsChanged(Exception):
-    """Rows of a get were rewritten or removed while it read them: read the rows' metadata again."""
 
 
 @dataclass(frozen=True, slots=True)

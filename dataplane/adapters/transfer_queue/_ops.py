@@ -38,6 +38,7 @@ from tensordict import TensorDict
 from dataplane.adapters.transfer_queue._deployment import TQDeployment
 from dataplane.adapters.transfer_queue._layout import (
     MARKER,
+    RowsChanged,
     decode_schemas,
     is_reserved,
     join_fields,
@@ -47,7 +48,7 @@ from dataplane.adapters.transfer_queue._layout import (
     split_fields,
     to_tq,
 )
-from dataplane.adapters.transfer_queue._mooncake_backend import MooncakeData, ReadPlan, RowsChanged
+from dataplane.adapters.transfer_queue._mooncake_backend import MooncakeData, ReadPlan
 from dataplane.adapters.transfer_queue._pack import (
     ParsedPack,
     StaleSchema,
@@ -186,7 +187,7 @@ class TQOps:
         writing: asyncio.Future[Any] | None = None
         try:
             if self.mooncake is None:
-                packed = pack_columns(columns, len(keys))
+                packed = pack_columns(columns, len(keys), keys=keys)
                 td = TensorDict({pack_field(packed.pack): packed.rows}, batch_size=[len(keys)])
                 self.round_trips += 1  # the storage manager's data-update notify
                 await self.manager.put_data(td, rows)
@@ -346,7 +347,7 @@ class TQOps:
         ]
         sources: dict[str, list[ParsedPack]] = {f: [] for f in fields}
         for (packs, positions), blobs in zip(groups.items(), await asyncio.gather(*reads), strict=True):
-            parsed = {p: parse_pack(p, blobs[p], positions) for p in dict.fromkeys(packs)}
+            parsed = {p: parse_pack(p, blobs[p], positions, keys=keys) for p in dict.fromkeys(packs)}
             for f, p in zip(fields, packs, strict=True):
                 sources[f].append(parsed[p])
         n = len(keys)
