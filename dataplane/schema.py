@@ -100,8 +100,20 @@ class FieldSchema:
 
     def view_rows(self, raw: torch.Tensor, rows: int) -> torch.Tensor:
         """``raw`` (uint8, exactly ``rows`` times :attr:`row_nbytes`) as ``[rows, *inner_shape]`` of this
-        dtype, without a copy; one view when there is no inner shape (a get does this per field)."""
-        values = raw.view(self.dtype)
+        dtype, without a copy; one view when there is no inner shape (a get does this per field).
+
+        Where ``raw`` is a slice of a larger buffer (a get's fields share one slab or one packed
+        object), the result has a storage of its own over exactly these bytes, which keeps the buffer
+        alive: ``torch.save`` then writes this field's bytes alone, and fields of other dtypes in the
+        same buffer do not look to it like one storage viewed as several types (which it refuses).
+        """
+        if raw.is_cpu and raw.numel() and raw.untyped_storage().nbytes() != raw.numel():
+            # the memoryview (.data) holds the numpy array, which holds ``raw`` and so the buffer's storage
+            values = torch.frombuffer(raw.numpy().data, dtype=self.dtype)
+        elif not raw.numel():
+            values = torch.empty(0, dtype=self.dtype)  # an empty view would still name the buffer's storage
+        else:
+            values = raw.view(self.dtype)
         return values.view((rows, *self.inner_shape)) if self.inner_shape else values
 
     def describe(self) -> str:

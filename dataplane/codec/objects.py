@@ -5,10 +5,15 @@ bytes read from a shared store runs whatever code the writer put there.
 
 A column of objects may be given as a list or tuple, a ``NonTensorStack``, or a numpy object array
 of shape ``(B,)`` (common in RL code: one prompt, message log or ground truth per row), also inside a
-TensorDict, which wraps such an array as one ``NonTensorData``. Whatever it was given as, it is
-read back as a ``NonTensorStack`` of the decoded objects (``td[field]`` and ``.tolist()`` give a
-list). Its elements follow the rules of a list's: msgpack's types (tuples come back as lists), or
-pickle for fields named in ``pickle_fields``.
+TensorDict, which wraps such an array as one ``NonTensorData``. Its elements follow the rules of
+a list's: msgpack's types (tuples come back as lists), or pickle for fields named in
+``pickle_fields``.
+
+Whatever it was given as, a get returns it as a plain ``list`` of the decoded objects:
+``batch[field]`` is a ``list`` the caller owns (tensordict's own stacks give a ``LinkedList`` that
+writes item assignments back into the batch). The batch holds it as an :class:`ObjectStack`, a
+``NonTensorStack``, so indexing, ``torch.cat`` and the rest of tensordict work on it as on any
+stack; slices tensordict makes of it are its own ``NonTensorStack``.
 """
 
 from __future__ import annotations
@@ -20,13 +25,36 @@ from typing import Any
 import msgpack
 import numpy as np
 import torch
-from tensordict import NonTensorData
+from tensordict import NonTensorData, NonTensorStack
 
 from dataplane.codec.jagged import offsets_from_lengths
 from dataplane.errors import SchemaError
 from dataplane.schema import ObjectCodecName
 
-__all__ = ["decode_objects", "encode_objects", "object_array_of"]
+__all__ = ["ObjectStack", "decode_objects", "encode_objects", "object_array_of", "object_stack"]
+
+
+class ObjectStack(NonTensorStack):
+    """The ``NonTensorStack`` an object column of a get is held as: ``td[field]`` on it is a plain
+    ``list`` (a copy of the objects, not linked back to the batch).
+
+    ``torch.save`` writes it as itself, so ``torch.load`` gives the same batch back; importing
+    ``dataplane`` allowlists it for ``torch.load(weights_only=True)``. (Where dataplane is not
+    installed, ``batch.to_dict()`` before saving leaves plain lists and tensors.)
+    """
+
+    def tolist(self, *args: Any, as_linked_list: bool = False, **kwargs: Any) -> Any:
+        return super().tolist(*args, **kwargs)  # never the linked list tensordict's td[field] asks for
+
+
+# A saved batch loads back with its object columns as they were; torch.load(weights_only=True), its
+# default, rebuilds only allowlisted classes (tensordict allowlists its own the same way).
+torch.serialization.add_safe_globals([ObjectStack])
+
+
+def object_stack(objects: list[Any], num_rows: int) -> ObjectStack:
+    """The column a get returns for ``objects`` (one per row)."""
+    return ObjectStack(*(NonTensorData(o) for o in objects), batch_size=[num_rows])
 
 
 def object_array_of(value: Any) -> np.ndarray | None:

@@ -25,7 +25,7 @@ from dataplane.codec.jagged import (
     pack_nested,
     to_nested,
 )
-from dataplane.codec.objects import decode_objects, encode_objects, object_array_of
+from dataplane.codec.objects import decode_objects, encode_objects, object_array_of, object_stack
 from dataplane.errors import InvalidArgument, SchemaError
 from dataplane.schema import FieldSchema, dtype_name, schema_of
 
@@ -192,7 +192,8 @@ def decode_columns(
     """Columns -> TensorDict with batch size ``[num_rows]``.
 
     Jagged fields come back as jagged nested tensors (``layout="jagged"``) or right-padded with their
-    pad value (``layout="padded"``); object fields as a NonTensorStack of the decoded objects.
+    pad value (``layout="padded"``); object fields as an :class:`~dataplane.codec.objects.ObjectStack`
+    of the decoded objects (``td[field]`` is a plain list).
     """
     if layout not in ("jagged", "padded"):
         raise InvalidArgument(f"layout must be 'jagged' or 'padded', got {layout!r}")
@@ -207,7 +208,7 @@ def decode_columns(
         if kind == "object":
             assert col.schema.codec is not None
             objs = decode_objects(field, col.values, col.offsets, col.schema.codec, allow_pickle=field in pickle_fields)
-            out[field] = NonTensorStack(*(NonTensorData(o) for o in objs), batch_size=[num_rows])
+            out[field] = object_stack(objs, num_rows)
         elif layout == "padded":
             out[field] = materialize(
                 col.values,

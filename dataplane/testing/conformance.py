@@ -14,6 +14,8 @@ partition and clears it afterwards. Adapters that cannot bound capacity return N
 from __future__ import annotations
 
 import asyncio
+import gc
+import io
 import threading
 import uuid
 from collections.abc import Iterator
@@ -44,6 +46,14 @@ _SLOW = settings(max_examples=15, deadline=None, suppress_health_check=list(Heal
 
 def _jagged(rows: list[torch.Tensor]) -> torch.Tensor:
     return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+
+
+def _concat(parts: list[Any]) -> Any:
+    if isinstance(parts[0], list):
+        return [x for p in parts for x in p]
+    if parts[0].is_nested:
+        return _jagged([r for p in parts for r in p.unbind()])
+    return torch.cat(parts)
 
 
 def _rows_of(t: torch.Tensor) -> list[torch.Tensor]:
@@ -330,6 +340,100 @@ class ClientConformance:
         out["t"].values().fill_(7)
         again = client.kv_batch_get(["a", "b"], partition_id=pid, select_fields=["x", "t"])
         assert again["x"].tolist() == [[0, 1, 2], [3, 4, 5]] and again["t"].values().tolist() == [0, 1, 2, 3, 0, 1]
+
+    # -- results the caller keeps ----------------------------------------------------------------
+    @staticmethod
+    def _keepable(n: int, width: int, seed: int) -> dict[str, Any]:
+        """Fields of several dtypes, a jagged one and an object column; ``width`` sizes the rows
+        (40,000: fields of megabytes, which stores land in shared slabs)."""
+        lens = [(seed * 7 + i * 5) % 9 + (i % 3) * width for i in range(n)]
+        return {
+            "f32": random_tensor((n, width), torch.float32, seed),
+            "bf16": random_tensor((n, width), torch.bfloat16, seed + 1),
+            "flag": random_tensor((n,), torch.bool, seed + 2),
+            "ids": _jagged([random_tensor((m,), torch.int64, seed + 3 + i) for i, m in enumerate(lens)]),
+            "msg": [{"row": i, "seed": seed, "text": "x" * (i % 4)} for i in range(n)],
+        }
+
+    @staticmethod
+    def _rows(fields: dict[str, Any], rows: list[int]) -> dict[str, Any]:
+        out: dict[str, Any] = {f: fields[f][rows] for f in ("f32", "bf16", "flag")}
+        ids = fields["ids"].unbind()
+        out["ids"] = _jagged([ids[i] for i in rows])
+        out["msg"] = [fields["msg"][i] for i in rows]
+        return out
+
+    @staticmethod
+    def _check_kept(got: Any, want: dict[str, Any]) -> None:
+        for f in ("f32", "bf16", "flag"):
+            assert bit_exact(got[f], want[f]), f
+        assert got["ids"].is_nested and len(got["ids"]) == len(want["ids"])
+        assert all(bit_exact(a, b) for a, b in zip(got["ids"].unbind(), want["ids"].unbind(), strict=True))
+        assert got["msg"] == want["msg"] and type(got["msg"]) is list
+
+    @pytest.mark.parametrize("width", [4, 40_000], ids=["small", "large"])
+    def test_results_save_and_load(self, client: DataPlaneClient, pid: str, width: int) -> None:
+        """``torch.save`` of what a get returns, by meta and by keys over two puts, and ``torch.load``
+        of it give the same batch back: fields of other dtypes never share a storage (``torch.save``
+        refuses one storage viewed as several types), and saving one field writes its own bytes,
+        not its neighbours'."""
+        n = 8
+        keys, more = [f"s{i}" for i in range(n)], [f"t{i}" for i in range(n)]
+        first, second = self._keepable(n, width, 1), self._keepable(n, width, 2)
+        meta = client.kv_batch_put(keys, first, partition_id=pid)
+        client.kv_batch_put(more, second, partition_id=pid)
+        fields = list(first)
+        picks = [(second, 5), (first, 2), (second, 0), (first, 7)]  # rows of both puts, out of order
+        mixed = {f: _concat([self._rows(src, [i])[f] for src, i in picks]) for f in fields}
+        gets = [
+            (client.kv_batch_get(meta, select_fields=fields), first),
+            (client.kv_batch_get([more[5], keys[2], more[0], keys[7]], partition_id=pid, select_fields=fields), mixed),
+        ]
+        for got, want in gets:
+            saved = io.BytesIO()
+            torch.save(got, saved)
+            saved.seek(0)
+            self._check_kept(torch.load(saved), want)
+            self._check_kept(got, want)
+            saved = io.BytesIO()
+            torch.save({f: got[f] for f in fields}, saved)  # the fields alone, as plain values
+            saved.seek(0)
+            self._check_kept(torch.load(saved), want)
+            for f in ("f32", "bf16", "flag"):
+                one = io.BytesIO()
+                torch.save(got[f], one)
+                assert one.tell() < got[f].nbytes + 4096, f"saving {f!r} wrote other fields' bytes too"
+
+    def test_kept_results_never_change(self, client: DataPlaneClient, pid: str) -> None:
+        """A result the caller keeps (some fields of it, the rest dropped) holds its values while the
+        store reuses its memory for later gets of the same sizes, rewrites and clears of its rows,
+        and after the client that read it has closed."""
+        n, width = 8, 40_000
+        keys = [f"k{i}" for i in range(n)]
+        first = self._keepable(n, width, 3)
+        # a second client of the same store where there can be one; it closes before the check
+        reader = self.make_client() if client.capabilities.cross_process else client
+        try:
+            got = reader.kv_batch_get(client.kv_batch_put(keys, first, partition_id=pid), select_fields=list(first))
+            kept = {f: got[f] for f in ("f32", "ids", "msg")}
+            del got
+            gc.collect()
+            for seed in range(4, 8):
+                other = self._keepable(n, width, seed)
+                meta = client.kv_batch_put(keys, other, partition_id=pid)
+                for c in dict.fromkeys((reader, client)):
+                    again = c.kv_batch_get(meta, select_fields=list(other))
+                    self._check_kept(again, other)
+                    del again
+                    gc.collect()
+            client.kv_clear(partition_id=pid)
+        finally:
+            if reader is not client:
+                reader.close()
+        gc.collect()
+        assert bit_exact(kept["f32"], first["f32"])
+        assert all(bit_exact(a, b) for a, b in zip(kept["ids"].unbind(), first["ids"].unbind(), strict=True))
+        assert kept["msg"] == first["msg"]
 
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int64, torch.bool, torch.complex64], ids=str)
     def test_empty_tensors_round_trip(self, client: DataPlaneClient, pid: str, dtype: torch.dtype) -> None:

@@ -1,6 +1,6 @@
 """Per-row object columns given as a numpy object array of shape ``(B,)``, bare or in a TensorDict
 (which wraps it as one ``NonTensorData``), are object columns like lists: they round-trip, and come
-back as what a list column comes back as -- a ``NonTensorStack`` (``td[field]`` is a list)."""
+back as what a list column comes back as -- a ``NonTensorStack`` whose ``td[field]`` is a plain list."""
 
 from __future__ import annotations
 
@@ -55,9 +55,9 @@ def test_object_ndarray_round_trips_as_a_list_column_does(client: DataPlaneClien
     assert meta.fields == ("o", "r")
     got = client.kv_batch_get(meta, select_fields=["o", "r"])
     want = _as_list_column_reads(client)
-    assert type(got.get("o")) is type(want.get("o")) is NonTensorStack
+    assert isinstance(got.get("o"), NonTensorStack) and type(got.get("o")) is type(want.get("o"))
     assert got.get("o").tolist() == want.get("o").tolist() == ROWS
-    assert got["o"] == want["o"] == ROWS and isinstance(got["o"], list)
+    assert got["o"] == want["o"] == ROWS and type(got["o"]) is list and type(want["o"]) is list
     assert torch.equal(got["r"], torch.arange(3.0))
 
 

@@ -338,6 +338,10 @@ class TQDeployment:
             _CLIENT_REFS = max(0, _CLIENT_REFS - 1)
             last_ref = _CLIENT_REFS == 0
         try:
+            if self.owner or last_ref:
+                import transfer_queue.interface as itf
+
+                _cancel_pending(itf._TQ_CLIENT)
             if self.owner:
                 t0 = time.monotonic()
                 _owner_teardown()
@@ -364,6 +368,38 @@ class TQDeployment:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_DRAIN_TIMEOUT_S = 5.0
+
+
+def _cancel_pending(client: Any) -> None:
+    """Cancel the calls still pending on the TQ client's loop (one whose controller died, a put's
+    rollback) and let them end there, before its close stops the loop: a coroutine left pending on
+    a stopped loop is closed later by the garbage collector, in another context, where TQ's socket
+    lease then fails (an "Exception ignored" at a random later moment)."""
+    loop = getattr(client, "_loop", None)
+    if loop is None or loop.is_closed() or not loop.is_running():
+        return
+
+    async def drain() -> int:
+        me = asyncio.current_task()
+        tasks = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=_DRAIN_TIMEOUT_S)
+        return len(tasks)
+
+    future = asyncio.run_coroutine_threadsafe(drain(), loop)
+    try:
+        cancelled = future.result(_DRAIN_TIMEOUT_S + 1.0)
+    except Exception as e:  # the loop is wedged (a blocking call inside it): close goes on anyway
+        future.cancel()
+        logger.warning("could not cancel the TransferQueue calls still pending at close: %s", e)
+        return
+    if cancelled:
+        logger.debug("cancelled %d TransferQueue calls still pending at close", cancelled)
 
 
 def _mooncake_store_client(client: Any) -> Any:

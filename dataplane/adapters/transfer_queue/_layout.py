@@ -31,6 +31,7 @@ from dataplane.schema import FieldSchema
 
 __all__ = [
     "MARKER",
+    "RowsChanged",
     "RESERVED_PREFIX",
     "SCHEMA_PREFIX",
     "decode_schemas",
@@ -42,6 +43,12 @@ __all__ = [
     "split_fields",
     "to_tq",
 ]
+
+
+class RowsChanged(Exception):
+    """Rows of a get were cleared, rewritten or handed to other keys while it read them: read the
+    rows' metadata again."""
+
 
 RESERVED_PREFIX = "__dataplane__"
 SCHEMA_PREFIX = RESERVED_PREFIX + "/schema/"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 
+from dataplane.adapters.transfer_queue._layout import RowsChanged
 from dataplane.codec.jagged import offsets_from_lengths
 from dataplane.codec.wire import Column
 from dataplane.errors import BackendUnavailable, CapacityExceeded, DataPlaneError, KeyNotFound
@@ -60,6 +62,12 @@ def _executor() -> ThreadPoolExecutor:
         if _pool is None:
             _pool = ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="dataplane-tq-mooncake")
         return _pool
+
+
+# A row rewritten or removed by another process while it was read: gone (-704), being written (-703),
+# or now of another size than the controller recorded (-600 for a buffer too small, or a short read).
+_CHANGED = (-600, -703, -704)
+_RETRIES = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +138,19 @@ class MooncakeData:
             codes = self._batches(
                 lambda k, p, s: self._store.batch_upsert_from(k, p, s, config=self._config), keys, ptrs, sizes
             )
+            for attempt in range(_RETRIES):  # another process upserting the same row right now: after it
+                again = [j for j, c in enumerate(codes) if c < 0 and c != -200]
+                if not again:
+                    break
+                time.sleep(0.005 * 2**attempt)
+                redo = self._batches(
+                    lambda k, p, s: self._store.batch_upsert_from(k, p, s, config=self._config),
+                    [keys[j] for j in again],
+                    [ptrs[j] for j in again],
+                    [sizes[j] for j in again],
+                )
+                for j, c in zip(again, redo, strict=True):
+                    codes[j] = c
             self._raise("put", keys, codes)
         finally:
             for ptr in registered:
@@ -164,6 +185,9 @@ class MooncakeData:
                         ptrs.append(base + a * es)
                         sizes.append((b - a) * es)
             got = self._batches(self._store.batch_get_into, keys, ptrs, sizes)
+            changed = [k for k, g, s in zip(keys, got, sizes, strict=True) if g in _CHANGED or (g >= 0 and g != s)]
+            if changed:
+                raise RowsChanged(f"{len(changed)} of {len(keys)} rows changed while being read, e.g. {changed[0]!r}")
             self._raise("get", keys, got)
             short = [(k, g, s) for k, g, s in zip(keys, got, sizes, strict=True) if g != s]
             if short:

@@ -38,6 +38,7 @@ from tensordict import TensorDict
 from dataplane.adapters.transfer_queue._deployment import TQDeployment
 from dataplane.adapters.transfer_queue._layout import (
     MARKER,
+    RowsChanged,
     decode_schemas,
     is_reserved,
     join_fields,
@@ -80,6 +81,19 @@ def _marker_with(marker: str | None, fields: frozenset[str]) -> str:
 def _log_failure(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled() and fut.exception() is not None:
         log.warning("dataplane: rolling back a failed put failed; its new keys may remain: %s", fut.exception())
+
+
+_CLEARED_RETRIES = 4  # reads of a get whose rows another process clears meanwhile
+
+
+def _cleared_under_read(e: BaseException) -> bool:
+    """Whether ``e`` is TransferQueue's ``StorageKeyNotFoundError``: a storage unit no longer held a
+    row the controller had just named (a concurrent clear)."""
+    try:
+        from transfer_queue import StorageKeyNotFoundError
+    except ImportError:  # pragma: no cover - other TransferQueue versions: by its marker
+        return isinstance(e, KeyError) and "TQKeyNotFound" in str(e)
+    return isinstance(e, StorageKeyNotFoundError)
 
 
 def _missing_fields(
@@ -173,7 +187,7 @@ class TQOps:
         writing: asyncio.Future[Any] | None = None
         try:
             if self.mooncake is None:
-                packed = pack_columns(columns, len(keys))
+                packed = pack_columns(columns, len(keys), keys=keys)
                 td = TensorDict({pack_field(packed.pack): packed.rows}, batch_size=[len(keys)])
                 self.round_trips += 1  # the storage manager's data-update notify
                 await self.manager.put_data(td, rows)
@@ -243,8 +257,31 @@ class TQOps:
     async def get(
         self, partition_id: str, keys: Sequence[str], fields: Sequence[str], carried: Mapping[str, Any] | None
     ) -> dict[str, Column]:
-        if self.mooncake is None:
-            return await self._packed_get(partition_id, keys, list(fields), carried)
+        for attempt in range(_CLEARED_RETRIES):
+            try:
+                if self.mooncake is None:
+                    return await self._packed_get(partition_id, keys, list(fields), carried)
+                return await self._mooncake_get(partition_id, keys, fields, carried)
+            except Exception as e:  # a row cleared or rewritten between the controller's answer and the read
+                if not isinstance(e, RowsChanged) and not _cleared_under_read(e):
+                    raise
+                last = e
+                if attempt:  # under heavy churn, let a burst of clears pass
+                    await asyncio.sleep(0.005 * 2**attempt)
+        # the next round finds the rows rewritten and reads them, or finds them gone and names them;
+        # here every round lost its rows to another clear or rewrite
+        if isinstance(last.__cause__, DataPlaneError):  # a record that never matched: not churn
+            raise last.__cause__
+        raise KeyNotFound(
+            f"partition {partition_id!r}: rows of this get were cleared or rewritten while it read them, "
+            f"{_CLEARED_RETRIES} times in a row ({last}); another process keeps rewriting and clearing them. "
+            "Read rows once their writers are done with them"
+        ) from last
+
+    async def _mooncake_get(
+        self, partition_id: str, keys: Sequence[str], fields: Sequence[str], carried: Mapping[str, Any] | None
+    ) -> dict[str, Column]:
+        assert self.mooncake is not None
         skeys = [schema_key(f) for f in fields]
         known = {f: FieldSchema.from_dict(carried[f]) for f in fields if carried and f in carried}
         if len(known) == len(fields):
@@ -262,7 +299,10 @@ class TQOps:
             markers = [split_fields(t.get(MARKER)) for t in bm.custom_meta]
             raise _missing_fields(partition_id, keys, absent, markers, known)
         n = len(keys)
-        plans = {f: ReadPlan(known[f], self._lengths(f, known[f], bm.field_schema[f], n)) for f in fields}
+        try:
+            plans = {f: ReadPlan(known[f], self._lengths(f, known[f], bm.field_schema[f], n)) for f in fields}
+        except DataPlaneError as e:  # read mid-way through another process's put or clear of these rows?
+            raise RowsChanged(str(e)) from e
         got: dict[str, Column] = await self._in_thread(self.mooncake.get, bm.global_indexes, plans)
         return got
 
@@ -307,7 +347,7 @@ class TQOps:
         ]
         sources: dict[str, list[ParsedPack]] = {f: [] for f in fields}
         for (packs, positions), blobs in zip(groups.items(), await asyncio.gather(*reads), strict=True):
-            parsed = {p: parse_pack(p, blobs[p], positions) for p in dict.fromkeys(packs)}
+            parsed = {p: parse_pack(p, blobs[p], positions, keys=keys) for p in dict.fromkeys(packs)}
             for f, p in zip(fields, packs, strict=True):
                 sources[f].append(parsed[p])
         n = len(keys)
@@ -359,9 +399,11 @@ class TQOps:
             return None
         shapes = tq.get("per_sample_shapes")
         if not shapes or len(shapes) != n or any(s is None or tuple(s[1:]) != schema.inner_shape for s in shapes):
+            seen = None if not shapes else sorted({str(s) for s in shapes})[:4]
             raise DataPlaneError(
-                f"TransferQueue's record of field {field!r} does not match {schema.describe()}; the partition was "
-                "probably written by something other than dataplane"
+                f"TransferQueue's record of field {field!r} ({len(shapes or ())} row shapes for {n} rows, e.g. "
+                f"{seen}) does not match {schema.describe()}; the partition was probably written by something "
+                "other than dataplane"
             )
         return [int(s[0]) for s in shapes]
 

@@ -8,10 +8,12 @@ and takes four times as long as the same bytes in one field. Packed, it is 256 t
   ``__dataplane__/pack/<hash of the name>`` (short, and one per distinct field set, so TQ's
   controller keeps a few columns per partition, not one per put).
 * **Row blob.** A header of ``int64[F]`` byte sizes of the row's piece of each field,
-  ``int32[F]`` counts (a jagged field's length, 1 for a dense one, bytes for an object) and
+  ``int32[F]`` counts (a jagged field's length, 1 for a dense one, bytes for an object),
   ``int32[F]`` schema tokens (a hash of each field's :class:`~dataplane.schema.FieldSchema`, so a
-  reader checks the schema it decodes with against the one the bytes were written with); then the
-  pieces in pack order. A dense field's piece is its ``[*inner]`` row, a jagged field's its ``[L_i, *inner]``
+  reader checks the schema it decodes with against the one the bytes were written with) and an
+  ``int64`` hash of the row's key (TransferQueue gives a cleared row's index to the next new key,
+  and a reader that took the index before a clear and reads after such a put finds another key's
+  blob: it checks, and reads again); then the pieces in pack order. A dense field's piece is its ``[*inner]`` row, a jagged field's its ``[L_i, *inner]``
   rows, an object field's its msgpack bytes.
 * **Row marker.** The row tag ``__dataplane__`` lists the row's packs in write order,
   ``"a,b,c;b"``: a field is read from the last pack that holds it. A put of a pack moves it to the
@@ -34,6 +36,7 @@ import numpy as np
 import torch
 
 from dataplane._host.bufpool import default_pool
+from dataplane.adapters.transfer_queue._layout import RowsChanged
 from dataplane.codec.jagged import offsets_from_lengths, to_nested
 from dataplane.codec.wire import Column
 from dataplane.errors import DataPlaneError, SchemaError
@@ -44,6 +47,7 @@ __all__ = [
     "Packed",
     "StaleSchema",
     "column_of",
+    "key_stamps",
     "marker_after_put",
     "pack_columns",
     "pack_field",
@@ -118,9 +122,17 @@ class Packed:
     rows: torch.Tensor  # jagged uint8 nested tensor, one blob per row
 
 
-def pack_columns(columns: Mapping[str, Column], num_rows: int) -> Packed:
-    """One blob per row holding every column's piece of that row (one copy, into a pooled buffer:
-    it goes back to the pool when TQ has sent it and the last view is gone)."""
+def key_stamps(keys: Sequence[str]) -> np.ndarray:
+    """The ``int64`` hash of each key a row blob carries."""
+    return np.array(
+        [int.from_bytes(hashlib.blake2b(k.encode(), digest_size=8).digest(), "little", signed=True) for k in keys],
+        dtype=np.int64,
+    )
+
+
+def pack_columns(columns: Mapping[str, Column], num_rows: int, *, keys: Sequence[str]) -> Packed:
+    """One blob per row holding every column's piece of that row and its key's stamp (one copy,
+    into a pooled buffer: it goes back to the pool when TQ has sent it and the last view is gone)."""
     pack = pack_name(list(columns))
     fields = pack_fields(pack)
     nf = len(fields)
@@ -142,7 +154,10 @@ def pack_columns(columns: Mapping[str, Column], num_rows: int) -> Packed:
             counts[:, j] = np.diff(offsets)
             sizes[:, j] = counts[:, j].astype(np.int64) * unit
             starts[:, j] = offsets[:-1] * unit
-    head = np.concatenate([sizes.view(np.uint8), counts.view(np.uint8), tokens.view(np.uint8)], axis=1)
+    stamps = key_stamps(keys).reshape(num_rows, 1)
+    head = np.concatenate(
+        [sizes.view(np.uint8), counts.view(np.uint8), tokens.view(np.uint8), stamps.view(np.uint8)], axis=1
+    )
     blob = sizes.sum(1) + head.shape[1]
     offsets_out = offsets_from_lengths(torch.from_numpy(blob))
     total = int(offsets_out[-1])
@@ -169,10 +184,12 @@ class ParsedPack:
     tokens: np.ndarray  # [n, F] int32
 
 
-def parse_pack(pack: str, blobs: Sequence[object], positions: list[int]) -> ParsedPack:
+def parse_pack(pack: str, blobs: Sequence[object], positions: list[int], *, keys: Sequence[str]) -> ParsedPack:
+    """The blobs of ``pack`` read for the get's rows at ``positions`` (of the get's ``keys``);
+    raises :class:`RowsChanged` when one is another key's (its index was handed on meanwhile)."""
     fields = pack_fields(pack)
     nf = len(fields)
-    head_bytes = 16 * nf
+    head_bytes = 16 * nf + 8
     for b in blobs:
         if not isinstance(b, torch.Tensor) or b.dtype is not torch.uint8 or b.dim() != 1 or b.numel() < head_bytes:
             got = f"{b.dtype}{list(b.shape)}" if isinstance(b, torch.Tensor) else type(b).__name__
@@ -180,8 +197,11 @@ def parse_pack(pack: str, blobs: Sequence[object], positions: list[int]) -> Pars
     arrays = [b.numpy() for b in blobs]  # type: ignore[attr-defined]
     head = np.stack([a[:head_bytes] for a in arrays])
     sizes = head[:, : 8 * nf].copy().view(np.int64)
-    meta = head[:, 8 * nf :].copy().view(np.int32)
+    meta = head[:, 8 * nf : 16 * nf].copy().view(np.int32)
     counts, tokens = meta[:, :nf], meta[:, nf:]
+    stamps = head[:, 16 * nf :].copy().view(np.int64).reshape(-1)
+    if not np.array_equal(stamps, key_stamps([keys[p] for p in positions])):
+        raise RowsChanged(f"rows of pack {pack!r} hold other keys' blobs: their indexes were handed on while read")
     ends = np.cumsum(sizes, axis=1) + head_bytes
     if (sizes < 0).any() or not np.array_equal(ends[:, -1], [a.size for a in arrays]):
         raise DataPlaneError(f"a TransferQueue row of pack {pack!r} does not add up to its header; {_CORRUPT}")

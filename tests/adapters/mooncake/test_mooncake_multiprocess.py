@@ -18,8 +18,9 @@ import torch
 
 import dataplane
 from dataplane._host.processes import pid_alive
-from dataplane.errors import BackendUnavailable, CapacityExceeded, DataPlaneError, KeyNotFound
+from dataplane.errors import BackendUnavailable, DataPlaneError, KeyNotFound
 from dataplane.store_client import StoreClient
+from dataplane.testing.churn import PARTITION, run_churn
 from dataplane.testing.strategies import bit_exact
 
 pytestmark = [
@@ -129,104 +130,17 @@ def test_concurrent_writer_processes_share_a_partition(owner: StoreClient) -> No
     owner.kv_clear(partition_id="shared")
 
 
-_CHURN_KEYS = [f"k{i}" for i in range(32)]
-
-
-def _churn_len(version: int, i: int, scale: int) -> int:
-    return ((version * 7 + i) % 13 + 1) * scale
-
-
-def _churn_row(version: int, i: int, scale: int) -> torch.Tensor:
-    """Row ``i`` as put number ``version`` writes it: its length and every value say which put."""
-    return torch.full((_churn_len(version, i, scale),), version * 1000 + i, dtype=torch.int64)
-
-
-def _churn_writer(url: str, first: int, seconds: float, scale: int, conn: Connection) -> None:
-    """Rewrite random subsets of the keys (both fields, or ``x`` alone) until ``seconds`` pass. A
-    full store (two writers of long rows outrunning a clearer on a loaded host) pushes back with
-    ``CapacityExceeded``; the writer waits a little and goes on, as a rollout worker would."""
-    import random
-
-    rng, n, version = random.Random(first), 0, first
-    with dataplane.connect(url, timeout_s=60) as c:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            version += 10
-            keys = rng.sample(_CHURN_KEYS, rng.randint(1, len(_CHURN_KEYS)))
-            ids = [int(k[1:]) for k in keys]
-            fields: dict[str, Any] = {
-                "x": torch.nested.as_nested_tensor([_churn_row(version, i, scale) for i in ids], layout=torch.jagged)
-            }
-            if rng.random() < 0.7:
-                fields["y"] = torch.tensor([version * 1000 + i for i in ids])
-            try:
-                c.kv_batch_put(keys, fields, partition_id="churn")
-            except CapacityExceeded:
-                time.sleep(0.05)
-                continue
-            n += 1
-    conn.send(n)
-
-
-def _churn_clearer(url: str, seconds: float, conn: Connection) -> None:
-    """Clear some keys, or the whole partition, every few milliseconds."""
-    import random
-
-    rng, n = random.Random(7), 0
-    with dataplane.connect(url, timeout_s=60) as c:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            time.sleep(0.02)
-            if rng.random() < 0.2:
-                c.kv_clear(partition_id="churn")
-            else:
-                c.kv_clear(rng.sample(_CHURN_KEYS, 4), partition_id="churn")
-            n += 1
-    conn.send(n)
-
-
-def _churn_reader(url: str, seconds: float, scale: int, conn: Connection) -> None:
-    """Read random keys; every row read must be one some put wrote, whole (never torn, never
-    another object's bytes). Sends (rows checked, gets that found keys missing, first bad row)."""
-    import random
-
-    rng, rows, missing, bad = random.Random(3), 0, 0, None
-    with dataplane.connect(url, timeout_s=60) as c:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end and bad is None:
-            keys = rng.sample(_CHURN_KEYS, rng.randint(1, 8))
-            select = ["x", "y"] if rng.random() < 0.5 else ["x"]
-            try:
-                out = c.kv_batch_get(keys, partition_id="churn", select_fields=select)
-            except KeyNotFound:
-                missing += 1
-                continue
-            for key, x, *y in zip(keys, out["x"].unbind(), *([out["y"]] if "y" in select else []), strict=True):
-                i, value = int(key[1:]), int(x[0])
-                version = value // 1000
-                whole = value % 1000 == i and bool((x == value).all()) and len(x) == _churn_len(version, i, scale)
-                if not whole or (y and int(y[0]) % 1000 != i):
-                    bad = (key, x.tolist(), [int(v) for v in y])
-                rows += 1
-    conn.send((rows, missing, bad))
-
-
 CHURN_SECONDS = 5.0  # per case in CI; test_churn_soak runs the same for SOAK_CHURN_SECONDS
 SOAK_CHURN_SECONDS = 60.0
 
 
 def _churn(owner: StoreClient, scale: int, seconds: float) -> None:
     url = owner.store.join_url  # type: ignore[attr-defined]
-    owner.kv_clear(partition_id="churn")  # nothing left over from an earlier case that failed
-    jobs: list[tuple[Callable[..., None], tuple[Any, ...]]] = [
-        (_churn_writer, (url, 0, seconds, scale)),
-        (_churn_writer, (url, 1, seconds, scale)),
-    ]
-    jobs += [(_churn_clearer, (url, seconds)), (_churn_reader, (url, seconds, scale))]
-    puts_a, puts_b, clears, (rows, _missing, bad) = answers = _run_all(jobs, timeout=seconds + 120)
-    assert bad is None, f"a torn or foreign row was read: {bad}"
-    assert puts_a and puts_b and clears and rows, answers  # every role made progress
-    owner.kv_clear(partition_id="churn")
+    owner.kv_clear(partition_id=PARTITION)  # nothing left over from an earlier case that failed
+    report = run_churn(url, seconds=seconds, scale=scale, readers=1, clearer_process=True, writers_clear=False)
+    assert not report.problems, f"a torn or foreign row was read, or an error raised: {report.problems}"
+    assert report.ok, report  # every role made progress
+    owner.kv_clear(partition_id=PARTITION)
 
 
 @pytest.mark.parametrize("scale", [1, 400], ids=["short-rows", "long-rows"])

@@ -5,7 +5,10 @@ Each test runs its own deployment (a small capacity needs its own TransferQueue)
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +39,10 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def _pending(loop: asyncio.AbstractEventLoop) -> list[asyncio.Task[Any]]:
+    return [t for t in asyncio.all_tasks(loop) if not t.done()]
 
 
 def _eventually(cond: Callable[[], bool], timeout_s: float = 15.0) -> bool:
@@ -111,10 +118,23 @@ def test_simple_capacity_dead_unit_dead_controller_teardown(ray_cluster: None) -
             err, took = _timed(call)
             assert isinstance(err, (DataPlaneTimeout, BackendUnavailable)), err
             assert took < TIMEOUT_S + SLACK_S, took
+
+        # a call still pending on TQ's loop when the client closes is cancelled there and ends, not
+        # left for the garbage collector to close later in whatever runs then
+        import transfer_queue.interface as itf
+
+        loop = itf._TQ_CLIENT._loop
+        hung = threading.Thread(target=lambda: _timed(owner.kv_list), daemon=True)
+        hung.start()
+        assert _eventually(lambda: bool(_pending(loop)), 5.0)
+        pending = _pending(loop)
     finally:
         t0 = time.monotonic()
         owner.close()
         assert time.monotonic() - t0 < 60
+    assert pending and all(t.done() for t in pending), pending
+    hung.join(TIMEOUT_S + SLACK_S)
+    gc.collect()  # a coroutine closed here would be reported as unraisable: an error under pytest
     assert _eventually(lambda: not any(_alive(p) for p in pids)), [p for p in pids if _alive(p)]
     assert not _actor_exists(CONTROLLER_NAME, TQ_NAMESPACE)
     assert not any(_actor_exists(STORAGE_UNIT_NAME.format(i)) for i in range(2))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dataplane.adapters.transfer_queue._layout import RowsChanged
 from dataplane.adapters.transfer_queue._pack import (
     StaleSchema,
     column_of,
@@ -64,24 +65,27 @@ def _same(a: Column, b: Column) -> None:
         assert torch.equal(a.offsets, b.offsets)
 
 
+K = [f"key{i}" for i in range(8)]
+
+
 def test_every_kind_of_column_round_trips_bit_exact() -> None:
     cols = _columns(5)
-    packed = pack_columns(cols, 5)
+    packed = pack_columns(cols, 5, keys=K[:5])
     assert packed.pack == "empty,ids,img,lp,mask,msg,reward,wide0"
     blobs = list(packed.rows.unbind())
-    parsed = parse_pack(packed.pack, [b.clone() for b in blobs], list(range(5)))
+    parsed = parse_pack(packed.pack, [b.clone() for b in blobs], list(range(5)), keys=K[:5])
     for f, col in cols.items():
         _same(column_of(f, col.schema, 5, [parsed]), col)
 
 
 def test_rows_from_several_packs_come_back_in_request_order() -> None:
     a, b = _columns(4), _columns(4)
-    pb_packed = pack_columns({"ids": b["ids"], "lp": b["lp"]}, 4)
-    blobs_a = list(pack_columns(a, 4).rows.unbind())
+    pb_packed = pack_columns({"ids": b["ids"], "lp": b["lp"]}, 4, keys=K[:4])
+    blobs_a = list(pack_columns(a, 4, keys=K[:4]).rows.unbind())
     blobs_b = list(pb_packed.rows.unbind())
     # request order: rows 0, 2 from pack a; rows 1, 3 from pack b (as two put groups would be)
-    pa = parse_pack("empty,ids,img,lp,mask,msg,reward,wide0", [blobs_a[0], blobs_a[2]], [0, 2])
-    pb = parse_pack(pb_packed.pack, [blobs_b[1], blobs_b[3]], [1, 3])
+    pa = parse_pack("empty,ids,img,lp,mask,msg,reward,wide0", [blobs_a[0], blobs_a[2]], [0, 2], keys=K[:4])
+    pb = parse_pack(pb_packed.pack, [blobs_b[1], blobs_b[3]], [1, 3], keys=K[:4])
     got = column_of("ids", a["ids"].schema, 4, [pa, pb])
     rows = [a["ids"].rows()[0], b["ids"].rows()[1], a["ids"].rows()[2], b["ids"].rows()[3]]
     assert got.offsets is not None
@@ -90,26 +94,26 @@ def test_rows_from_several_packs_come_back_in_request_order() -> None:
 
 def test_a_reader_with_another_schema_is_told() -> None:
     cols = _columns(3)
-    packed = pack_columns(cols, 3)
-    parsed = parse_pack(packed.pack, list(packed.rows.unbind()), [0, 1, 2])
+    packed = pack_columns(cols, 3, keys=K[:3])
+    parsed = parse_pack(packed.pack, list(packed.rows.unbind()), [0, 1, 2], keys=K[:3])
     with pytest.raises(StaleSchema):
         column_of("reward", FieldSchema(kind="dense", dtype=torch.int32), 3, [parsed])
 
 
 def test_blobs_that_are_not_dataplane_blobs_raise() -> None:
     cols = _columns(3)
-    packed = pack_columns(cols, 3)
+    packed = pack_columns(cols, 3, keys=K[:3])
     blobs = [b.clone() for b in packed.rows.unbind()]
     with pytest.raises(DataPlaneError, match="does not add up"):
-        parse_pack(packed.pack, [blobs[0][:-1], blobs[1], blobs[2]], [0, 1, 2])
+        parse_pack(packed.pack, [blobs[0][:-1], blobs[1], blobs[2]], [0, 1, 2], keys=K[:3])
     with pytest.raises(DataPlaneError, match="not a dataplane blob"):
-        parse_pack(packed.pack, [torch.zeros(3), blobs[1], blobs[2]], [0, 1, 2])
+        parse_pack(packed.pack, [torch.zeros(3), blobs[1], blobs[2]], [0, 1, 2], keys=K[:3])
     # a header whose count disagrees with its byte size (same token) is caught per field
     bad = blobs[0].clone()
     nf = len(cols)
     counts = bad[8 * nf : 12 * nf].view(torch.int32)
     counts[list(sorted(cols)).index("ids")] += 1
-    parsed = parse_pack(packed.pack, [bad, blobs[1], blobs[2]], [0, 1, 2])
+    parsed = parse_pack(packed.pack, [bad, blobs[1], blobs[2]], [0, 1, 2], keys=K[:3])
     with pytest.raises(SchemaError, match="size"):
         column_of("ids", cols["ids"].schema, 3, [parsed])
 
@@ -125,3 +129,15 @@ def test_markers_resolve_each_field_to_its_last_pack() -> None:
     assert marker_after_put(m, "a,c,d") == m  # a re-write of the same pack changes nothing
     assert marker_after_put("x;y", "x") == "y;x"
     assert pack_field("a,b") != pack_field("a,b,c") and pack_field("a,b").startswith("__dataplane__/pack/")
+
+
+def test_a_blob_read_under_another_key_is_read_again() -> None:
+    """TransferQueue hands a cleared row's index to the next new key: a reader that took the index
+    before the clear and reads the blob after that put finds another key's blob, and must not
+    return it as its own."""
+    cols = _columns(3)
+    packed = pack_columns(cols, 3, keys=K[:3])
+    blobs = list(packed.rows.unbind())
+    with pytest.raises(RowsChanged):
+        parse_pack(packed.pack, [blobs[0], blobs[2], blobs[1]], [0, 1, 2], keys=K[:3])
+    parse_pack(packed.pack, [blobs[2], blobs[0]], [0, 1], keys=[K[2], K[0]])  # its own key: fine

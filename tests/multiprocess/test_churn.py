@@ -1,0 +1,111 @@
+"""Churn on every multi-process backend: two writer processes rewrite and clear the same keys while two
+reader processes get them (:mod:`dataplane.testing.churn`). Readers see only ``KeyNotFound`` for rows
+cleared under them, never another error, and every row they get is exactly one a writer wrote.
+
+``mooncake://local`` and ``tq://?backend=simple`` in CI, a couple of seconds of churn each;
+``test_churn_soak`` runs a minute each, with short rows and long ones, and ``tq://?backend=mooncake``
+too. The test process owns each deployment, and the churn processes join it by URL (``join_url`` on
+Mooncake; on ``tq://``, ``ray_address=`` the module's Ray, which the TransferQueue deployments use in
+turn).
+
+Still open on ``tq://?backend=mooncake`` (xfail, soak only): TransferQueue keeps a row's bytes in
+Mooncake under its global index, which a clear frees and a later put of another key reuses, so a
+get that read a row's index before a clear and its bytes after can return another key's row (seen
+here: ``k31`` read as ``k0``'s row), and TransferQueue's per-row record of a field can be missing
+mid-put (``DataPlaneError``). On ``backend=simple`` each row blob carries its key's hash and such a
+read is read again; the Mooncake objects need a stamp of the same kind (see
+docs/backends/transfer_queue.md, Limits).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import dataplane
+from dataplane.client import DataPlaneClient
+from dataplane.testing.churn import PARTITION, run_churn
+
+ROOT = Path(__file__).resolve().parents[2]
+HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None
+
+pytestmark = [pytest.mark.multiprocess]
+
+CHURN_SECONDS = 2.0
+SOAK_SECONDS = 60.0
+
+MOONCAKE = pytest.param("mooncake://local?segment_bytes=256MiB", marks=pytest.mark.mooncake, id="mooncake")
+TQ_SIMPLE = pytest.param("tq://?backend=simple", marks=pytest.mark.tq, id="tq-simple")
+TQ_MOONCAKE = pytest.param(
+    "tq://?backend=mooncake&segment_bytes=268435456",
+    marks=[
+        pytest.mark.tq,
+        pytest.mark.skipif(not HAVE_MOONCAKE, reason="needs Mooncake"),
+        pytest.mark.xfail(reason="tq://?backend=mooncake returns another key's row under churn", strict=False),
+    ],
+    id="tq-mooncake",
+)
+
+
+@pytest.fixture(scope="module")
+def ray_address() -> Iterator[str]:
+    """A local Ray for the ``tq://`` cases (started on first use, stopped after the module if started
+    here), and the address processes join it by."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(
+            address="local",
+            num_cpus=8,
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},
+        )
+    try:
+        yield str(ray.get_runtime_context().gcs_address)
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _owner(url: str, request: pytest.FixtureRequest) -> tuple[DataPlaneClient, str]:
+    """The deployment's owner and the URL other processes join it by."""
+    if url.startswith("tq://"):
+        address = request.getfixturevalue("ray_address")
+        return dataplane.connect(url), f"tq://?ray_address={address}"
+    owner = dataplane.connect(url)
+    return owner, owner.store.join_url  # type: ignore[attr-defined]
+
+
+def _churn(url: str, request: pytest.FixtureRequest, seconds: float, scale: int = 1) -> None:
+    owner, join = _owner(url, request)
+    try:
+        t0 = time.monotonic()
+        report = run_churn(join, seconds=seconds, scale=scale)
+        print(f"{url}: {report.summary()} in {time.monotonic() - t0:.1f} s")  # shown with -s
+        assert not report.problems, report.problems
+        assert report.ok, f"a process made no progress: {report}"
+    finally:
+        try:
+            owner.kv_clear(partition_id=PARTITION)
+        finally:
+            owner.close()
+
+
+@pytest.mark.parametrize("url", [MOONCAKE, TQ_SIMPLE])
+def test_readers_see_only_whole_rows_or_key_not_found(url: str, request: pytest.FixtureRequest) -> None:
+    _churn(url, request, CHURN_SECONDS)
+
+
+@pytest.mark.soak
+@pytest.mark.slow
+@pytest.mark.parametrize("url", [MOONCAKE, TQ_SIMPLE, TQ_MOONCAKE])
+@pytest.mark.parametrize("scale", [1, 400], ids=["short-rows", "long-rows"])
+def test_churn_soak(url: str, scale: int, request: pytest.FixtureRequest) -> None:
+    """The churn above for a minute, with short rows and with rows of up to 5,200 tokens."""
+    _churn(url, request, SOAK_SECONDS, scale)
