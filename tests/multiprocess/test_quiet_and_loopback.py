@@ -50,10 +50,14 @@ print("DONE", flush=True)
 """
 
 BACKENDS = [
-    pytest.param("memory://", id="memory"),
-    pytest.param("mooncake://local", id="mooncake-local"),
-    pytest.param("tq://?backend=simple", id="tq-simple"),
-    pytest.param("tq://?backend=mooncake", id="tq-mooncake"),
+    pytest.param("memory://", id="memory", marks=[pytest.mark.multiprocess]),
+    pytest.param("mooncake://local", id="mooncake-local", marks=[pytest.mark.mooncake, pytest.mark.multiprocess]),
+    pytest.param("tq://?backend=simple", id="tq-simple", marks=[pytest.mark.tq, pytest.mark.multiprocess]),
+    pytest.param(
+        "tq://?backend=mooncake",
+        id="tq-mooncake",
+        marks=[pytest.mark.tq, pytest.mark.mooncake, pytest.mark.multiprocess, pytest.mark.slow],
+    ),
 ]
 
 NOISE = re.compile(r"\b(WARNING|WARN|ERROR|CRITICAL|FATAL|Traceback)\b|^[WEF]\d{4} ", re.IGNORECASE)
@@ -160,7 +164,7 @@ def _child_env() -> dict[str, str]:
 @pytest.mark.parametrize("url", BACKENDS)
 def test_healthy_run_is_quiet_and_listens_on_loopback_only(url: str) -> None:
     pytest.importorskip("torch")
-    if url.startswith("mooncake") or "mooncake" in url:
+    if "mooncake" in url:
         pytest.importorskip("mooncake.store")
     if url.startswith("tq"):
         pytest.importorskip("transfer_queue")

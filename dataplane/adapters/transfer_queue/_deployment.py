@@ -52,13 +52,14 @@ its loop during the (short, bounded) attach.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Literal
@@ -85,18 +86,48 @@ __all__ = ["TQDeployment", "start_or_attach"]
 # A Ray that dataplane starts serves one job on one host: every process of it (GCS, raylet, agents,
 # workers, our actors, this driver's core worker) binds loopback only. Ray maps a node address of
 # 127.0.0.1 to the machine's address unless RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER is off (the single-host
-# mode Ray uses on macOS/Windows); Ray's processes and TQ's ZMQ sockets then bind 127.0.0.1.
-LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+# mode Ray uses on macOS/Windows); Ray's processes and TQ's ZMQ sockets then bind 127.0.0.1. A process
+# that joins such a Ray needs the same setting, or its ray.init maps 127.0.0.1 away and never finds
+# the GCS: we keep it in this process's environment (its subprocesses inherit it) and set it when
+# we join a Ray on a loopback address.
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+@contextlib.contextmanager
+def _loopback_ray() -> Iterator[None]:
+    """Around a ``ray.init`` that starts or joins a Ray on 127.0.0.1: Ray's single-host mode (for a
+    ``ray`` imported before the variable was set, its module flag too, restored after)."""
+    import ray._private.ray_constants as ray_constants
+
+    os.environ.update(LOOPBACK_ENV)
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+def _is_loopback_address(address: str) -> bool:
+    """Whether a Ray address (``host:port``, ``auto``) names a Ray on this host's loopback."""
+    if address == "auto":
+        try:
+            import ray._private.services as services
+
+            address = services.get_ray_address_from_environment("auto", None) or ""
+        except Exception:  # no Ray found: ray.init will say so
+            return False
+    host = address.rpartition(":")[0].strip("[]") if ":" in address else address
+    return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
 def _ensure_ray(cfg: TQDeployConfig, env: Mapping[str, str]) -> tuple[bool, bool]:
     """Make sure Ray is initialised here. Returns ``(we_called_ray_init, we_started_a_local_ray)``.
 
-    A local Ray is started on loopback only (``_node_ip_address="127.0.0.1"``, no dashboard, no usage
-    stats) unless ``ray_init_kwargs`` names ``_node_ip_address`` (then it binds there). Its processes inherit this process's
-    environment, which already holds TQ's variables (:func:`apply_env`), so the job needs no
-    ``runtime_env``: Ray then hands its prestarted idle workers to TQ's actors instead of starting
-    new ones for them.
+    A local Ray is started on loopback only (``_node_ip_address="127.0.0.1"``, no dashboard) unless ``ray_init_kwargs`` names ``_node_ip_address`` (then it binds there). Its processes
+    inherit this process's environment, which already holds TQ's variables (:func:`apply_env`), so
+    the job needs no ``runtime_env``: Ray then hands its prestarted idle workers to TQ's actors
+    instead of starting new ones for them.
     """
     import ray
 
@@ -108,31 +139,18 @@ def _ensure_ray(cfg: TQDeployConfig, env: Mapping[str, str]) -> tuple[bool, bool
     if address:
         runtime_env = dict(kwargs.pop("runtime_env", None) or {})
         runtime_env["env_vars"] = {**env, **dict(runtime_env.get("env_vars") or {})}
-        ray.init(address=address, runtime_env=runtime_env, **kwargs)
+        with _loopback_ray() if _is_loopback_address(address) else contextlib.nullcontext():
+            ray.init(address=address, runtime_env=runtime_env, **kwargs)
         return True, False
     kwargs.setdefault("include_dashboard", False)
     num_cpus = cfg.ray_num_cpus or cfg.ray_cpus_needed + max(2, os.cpu_count() or 1)
     if "_node_ip_address" in kwargs:  # the user says where it binds
         ray.init(address="local", num_cpus=num_cpus, **kwargs)
         return True, True
-    import ray._private.ray_constants as ray_constants
-
     kwargs["_node_ip_address"] = "127.0.0.1"
-    saved_env = {key: os.environ.get(key) for key in LOOPBACK_ENV}
-    saved_flag = ray_constants.ENABLE_RAY_CLUSTER
-    for key, value in LOOPBACK_ENV.items():  # Ray's processes, started now, inherit them
-        os.environ[key] = os.environ.get(key, value) if key == "RAY_USAGE_STATS_ENABLED" else value
-    ray_constants.ENABLE_RAY_CLUSTER = False  # what the variable sets, for a `ray` imported before it
-    try:
+    with _loopback_ray():
         # address="local": never join a `ray start` cluster that ray.init() would find on disk.
         ray.init(address="local", num_cpus=num_cpus, **kwargs)
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
-        for key, old in saved_env.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
     return True, True
 
 
