@@ -30,14 +30,18 @@ if [[ ",$EXTRAS," == *",all,"* || ",$EXTRAS," == *"mooncake"* || ",$EXTRAS," == 
 fi
 
 # Keep the user's torch; otherwise install a CPU build, never pull a multi-GB CUDA build by accident.
-if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+# torch's version is read from its metadata, never by importing it: before the install below brings
+# numpy, `import torch` prints "Failed to initialize NumPy" (a torch wheel does not require numpy).
+torch_version() { "$PY" -c 'import importlib.metadata as m; print(m.version("torch"))' 2>/dev/null; }
+if ! torch_version >/dev/null; then
   "$PY" -m pip install -q "${DATAPLANE_TORCH:-torch==2.13.0}" ${DATAPLANE_TORCH_INDEX:+--index-url "$DATAPLANE_TORCH_INDEX"}
 fi
-torch_req="torch==$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')"
+torch_full=$(torch_version)
+torch_req="torch==${torch_full%%+*}"
 
 # The constraint stops any backend's requirements from swapping the installed torch for another build.
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
-"$PY" -c 'import torch; print("torch==" + torch.__version__)' >"$constraints"
+echo "torch==$torch_full" >"$constraints"
 "$PY" -m pip install -q -c "$constraints" -e ".[${EXTRAS}]"
 echo "setup.sh: dataplane installed with [${EXTRAS}] (${torch_req})"

@@ -27,6 +27,7 @@ from urllib.parse import quote
 
 import numpy as np
 
+from dataplane._host.quiet import filtered_stderr
 from dataplane.adapters.mooncake._shm import CHUNK, ShmArenas
 from dataplane.errors import (
     BackendUnavailable,
@@ -136,7 +137,8 @@ class StoreHandle:
         self.real_client = real_client
         store = MooncakeDistributedStore()
         if real_client is not None:
-            rc = store.setup_dummy(CHUNK, int(local_buffer_bytes), real_client)
+            with filtered_stderr():  # glog: "Failed to receive hot cache fd" (harmless, see _host.quiet)
+                rc = store.setup_dummy(CHUNK, int(local_buffer_bytes), real_client)
             if rc != 0:
                 raise BackendUnavailable(
                     f"could not attach to the Mooncake real client at {real_client} (rc={rc}); it must run on this "
@@ -220,7 +222,8 @@ class StoreHandle:
         for ptr in list(self._registered):
             store.unregister_buffer(ptr)
         self._registered.clear()
-        store.close()
+        with filtered_stderr():  # glog: "Dummy Client not connected" (harmless, see _host.quiet)
+            store.close()
 
     # -- buffers --------------------------------------------------------------------------------
     def register(self, arr: np.ndarray) -> None:

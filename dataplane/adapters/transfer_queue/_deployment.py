@@ -52,16 +52,19 @@ its loop during the (short, bounded) attach.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from importlib import resources
 from typing import Any, Literal
 
+from dataplane._host.quiet import filtered_stderr, ray_logging_level
 from dataplane.adapters.transfer_queue._deploy_config import (
     CONTROLLER_NAME,
     STORAGE_UNIT_NAME,
@@ -81,23 +84,89 @@ __all__ = ["TQDeployment", "start_or_attach"]
 # --------------------------------------------------------------------------------------------- Ray
 
 
+# A Ray that dataplane starts serves one job on one host: every process of it (GCS, raylet, agents,
+# workers, our actors, this driver's core worker) binds loopback only. Ray maps a node address of
+# 127.0.0.1 to the machine's address unless RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER is off (the single-host
+# mode Ray uses on macOS/Windows); Ray's processes and TQ's ZMQ sockets then bind 127.0.0.1. A process
+# that joins such a Ray needs the same setting, or its ray.init maps 127.0.0.1 away and never finds
+# the GCS: we keep it in this process's environment (its subprocesses inherit it) and set it when
+# we join a Ray on a loopback address.
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+@contextlib.contextmanager
+def _loopback_ray() -> Iterator[None]:
+    """Around a ``ray.init`` that starts or joins a Ray on 127.0.0.1: Ray's single-host mode (for a
+    ``ray`` imported before the variable was set, its module flag too, restored after)."""
+    import ray._private.ray_constants as ray_constants
+
+    os.environ.update(LOOPBACK_ENV)
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+@contextlib.contextmanager
+def _environ(env: Mapping[str, str]) -> Iterator[None]:
+    """``env``'s entries that this process's environment lacks, set while Ray starts its processes
+    (they inherit them) and removed after."""
+    added = {k: v for k, v in env.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key, value in added.items():
+            if os.environ.get(key) == value:
+                del os.environ[key]
+
+
+def _is_loopback_address(address: str) -> bool:
+    """Whether a Ray address (``host:port``, ``auto``) names a Ray on this host's loopback."""
+    if address == "auto":
+        try:
+            import ray._private.services as services
+
+            address = services.get_ray_address_from_environment("auto", None) or ""
+        except Exception:  # no Ray found: ray.init will say so
+            return False
+    host = address.rpartition(":")[0].strip("[]") if ":" in address else address
+    return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
 def _ensure_ray(cfg: TQDeployConfig, env: Mapping[str, str]) -> tuple[bool, bool]:
-    """Make sure Ray is initialised here. Returns ``(we_called_ray_init, we_started_a_local_ray)``."""
+    """Make sure Ray is initialised here. Returns ``(we_called_ray_init, we_started_a_local_ray)``.
+
+    A local Ray is started on loopback only (``_node_ip_address="127.0.0.1"``, no dashboard) unless ``ray_init_kwargs`` names ``_node_ip_address`` (then it binds there). Its processes
+    inherit this process's environment, which already holds TQ's variables (:func:`apply_env`), so
+    the job needs no ``runtime_env``: Ray then hands its prestarted idle workers to TQ's actors
+    instead of starting new ones for them.
+    """
     import ray
 
     if ray.is_initialized():
         return False, False
     kwargs = dict(cfg.ray_init_kwargs)
-    runtime_env = dict(kwargs.pop("runtime_env", None) or {})
-    runtime_env["env_vars"] = {**env, **dict(runtime_env.get("env_vars") or {})}
+    kwargs.setdefault("logging_level", ray_logging_level())  # no token-auth warning, no INFO banner
     address = cfg.ray_address or os.environ.get("RAY_ADDRESS") or None
     if address:
-        ray.init(address=address, runtime_env=runtime_env, **kwargs)
+        runtime_env = dict(kwargs.pop("runtime_env", None) or {})
+        runtime_env["env_vars"] = {**env, **dict(runtime_env.get("env_vars") or {})}
+        with _loopback_ray() if _is_loopback_address(address) else contextlib.nullcontext():
+            ray.init(address=address, runtime_env=runtime_env, **kwargs)
         return True, False
     kwargs.setdefault("include_dashboard", False)
     num_cpus = cfg.ray_num_cpus or cfg.ray_cpus_needed + max(2, os.cpu_count() or 1)
-    # address="local": never join a `ray start` cluster that ray.init() would find on disk.
-    ray.init(address="local", num_cpus=num_cpus, runtime_env=runtime_env, **kwargs)
+    if "_node_ip_address" in kwargs:  # the user says where it binds
+        with _environ(env):
+            ray.init(address="local", num_cpus=num_cpus, **kwargs)
+        return True, True
+    kwargs["_node_ip_address"] = "127.0.0.1"
+    with _loopback_ray(), _environ(env):
+        # address="local": never join a `ray start` cluster that ray.init() would find on disk.
+        ray.init(address="local", num_cpus=num_cpus, **kwargs)
     return True, True
 
 
@@ -153,6 +222,27 @@ def _run_bounded(fn: Any, timeout_s: float, what: str) -> Any:
     if "error" in box:
         raise box["error"]
     return box.get("value")
+
+
+def _import_tq_meanwhile() -> threading.Thread | None:
+    """Import ``transfer_queue`` (seconds: torch, tensordict) on a thread while ``ray.init`` waits
+    for Ray's processes; the caller joins it after. ``None`` when it is imported already."""
+    import sys
+
+    import ray  # noqa: F401  (before the thread: both sides import from it)
+
+    if "transfer_queue.interface" in sys.modules:
+        return None
+
+    def target() -> None:
+        try:
+            import transfer_queue.interface  # noqa: F401
+        except BaseException:  # raised again by the import that follows the join
+            pass
+
+    thread = threading.Thread(target=target, name="dataplane-import-tq", daemon=True)
+    thread.start()
+    return thread
 
 
 def _tcp_reachable(address: str, timeout_s: float = 3.0) -> bool:
@@ -509,15 +599,17 @@ def start_or_attach(cfg: TQDeployConfig | None = None) -> TQDeployment:
                 "RAY_ADDRESS). Start one first, e.g. dataplane.connect('tq://?backend=simple'), or pass "
                 "ray_address"
             )
-    # Ray workers of a Ray started here get $DATAPLANE_URL through the job's runtime_env; its GCS
-    # address (in client.url) is not known before ray.init, and inside Ray "tq://" attaches anyway.
+    # Ray workers of a Ray started here get $DATAPLANE_URL ("tq://": inside Ray it attaches to this
+    # deployment); its GCS address (in client.url) is not known before ray.init.
     own = not cfg.attach_only and not os.environ.get(URL_ENV)
+    importer = _import_tq_meanwhile()
     ray_inited, ray_started = _ensure_ray(cfg, {**env, URL_ENV: "tq://"} if own else env)
     timings = {"ray_init_s": time.monotonic() - t_start}
+    if importer is not None:
+        importer.join()
     dep = TQDeployment(cfg=cfg, owner=False, env=env, ray_inited=ray_inited, ray_started=ray_started, timings=timings)
     global _CLIENT_REFS
     try:
-        import transfer_queue as tq
         import transfer_queue.interface as itf
 
         apply_env(env)  # patch constants if TQ was imported before us
@@ -531,7 +623,7 @@ def start_or_attach(cfg: TQDeployConfig | None = None) -> TQDeployment:
                 apply_client_env_defaults()  # read at store setup, which tq.init does below
                 _check_mooncake_master(conf)
             if itf._TQ_CLIENT is None:
-                _run_bounded(tq.init, max(0.1, deadline - time.monotonic()), "TransferQueue attach")
+                _run_bounded(_quiet_attach, max(0.1, deadline - time.monotonic()), "TransferQueue attach")
             dep.conf = conf
             timings["attach_s"] = time.monotonic() - t0
         elif cfg.attach_only:
@@ -575,6 +667,15 @@ def _identity() -> tuple[str, str]:
     return (f"tq://?ray_address={gcs}" if gcs else ""), (f"tq:{actor_id}" if actor_id else "")
 
 
+def _quiet_attach() -> Any:
+    """``tq.init()`` attaching to the running TransferQueue (it creates this process's client; on
+    Mooncake the store's setup logs a harmless "Local segment descriptor not found")."""
+    import transfer_queue as tq
+
+    with filtered_stderr():
+        return tq.init()
+
+
 def _check_mooncake_master(conf: Any) -> None:
     address = str(conf.backend.MooncakeStore.master_server_address)
     if not _tcp_reachable(address):
@@ -584,9 +685,55 @@ def _check_mooncake_master(conf: Any) -> None:
         )
 
 
-def _start_owned(dep: TQDeployment, deadline: float) -> None:
+def _tq_init(conf: dict[str, Any]) -> Any:
+    """``tq.init(conf)`` for the owner, with TQ's actors started side by side.
+
+    ``tq.init`` creates the controller actor, waits until it serves, and only then creates the
+    storage units and waits for them. Each actor's worker spends seconds importing
+    ``transfer_queue`` (torch, tensordict), so start-up paid that once per actor, in sequence. The
+    units need nothing from the controller: here they start together and the imports overlap.
+    Otherwise the same steps as ``tq.init`` 0.1.11 (its metrics exporter or a sampler object go
+    through ``tq.init`` itself).
+    """
     import ray
     import transfer_queue as tq
+    import transfer_queue.interface as itf
+    from omegaconf import OmegaConf
+
+    final = OmegaConf.merge(
+        OmegaConf.create({}, flags={"allow_objects": True}),
+        OmegaConf.load(str(resources.files("transfer_queue") / "config.yaml")),
+        conf,
+    )
+    sampler = final.controller.sampler
+    if final.metrics.enabled or not isinstance(sampler, str) or not hasattr(itf, sampler):
+        return tq.init(conf)
+    try:
+        itf._TQ_CONTROLLER = itf.TransferQueueController.options(name=CONTROLLER_NAME, namespace=TQ_NAMESPACE).remote(
+            sampler=getattr(itf, sampler), polling_mode=final.controller.polling_mode
+        )
+    except ValueError:  # another process created it just now: attach, as tq.init does
+        itf._init_from_existing()
+        return final
+    controller_info = itf._TQ_CONTROLLER.get_zmq_server_info.remote()
+    backend = final.backend.storage_backend
+    storage: dict[str, Any] = {}
+    itf._TQ_STORAGE = storage
+    provider = itf.StorageBootstrapProvider.get_provider(backend)
+    if provider is None:
+        raise RuntimeError(f"TransferQueue has no storage backend {backend!r}")
+    resources_ = provider(final)  # SimpleStorage: creates the units and waits for them
+    if resources_ is not None:
+        storage[backend] = resources_
+    final.controller.zmq_info = ray.get(controller_info)
+    ray.get(itf._TQ_CONTROLLER.store_config.remote(final))
+    with filtered_stderr():  # Mooncake's glog: "Local segment descriptor not found" (harmless)
+        itf._maybe_create_tq_client(final)
+    return final
+
+
+def _start_owned(dep: TQDeployment, deadline: float) -> None:
+    import ray
     import transfer_queue.interface as itf
 
     cfg = dep.cfg
@@ -623,7 +770,7 @@ def _start_owned(dep: TQDeployment, deadline: float) -> None:
 
     conf = build_conf(cfg, dep.master_address)
     try:
-        final = _run_bounded(lambda: tq.init(conf), max(0.1, deadline - time.monotonic()), "tq.init")
+        final = _run_bounded(lambda: _tq_init(conf), max(0.1, deadline - time.monotonic()), "tq.init")
     except BaseException as e:
         # Killing the actors also fails the tq.init thread's pending ray.get, so it ends too.
         _kill_named_actors(units)
