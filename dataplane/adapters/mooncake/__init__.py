@@ -30,11 +30,12 @@ server processes).
 """
 
 from dataplane._host.mooncake_master import apply_client_env_defaults, start_master
-from dataplane.adapters.mooncake._connect import LocalDeployment, MooncakeConfig, connect, parse_bytes
+from dataplane.adapters.mooncake._connect import DEPLOYMENT_KEY, LocalDeployment, MooncakeConfig, connect, parse_bytes
 from dataplane.adapters.mooncake._handle import MAX_KEYS_PER_CALL, AdminClient
 from dataplane.adapters.mooncake._store import HINT_KEY, MooncakeStore
 
 __all__ = [
+    "DEPLOYMENT_KEY",
     "HINT_KEY",
     "MAX_KEYS_PER_CALL",
     "AdminClient",
