@@ -101,12 +101,15 @@ def _loopback_ray() -> Iterator[None]:
     import ray._private.ray_constants as ray_constants
 
     os.environ.update(LOOPBACK_ENV)
-    saved = ray_constants.ENABLE_RAY_CLUSTER
-    ray_constants.ENABLE_RAY_CLUSTER = False
+    has_flag = hasattr(ray_constants, "ENABLE_RAY_CLUSTER")  # Ray 2.40-2.60 have it; the variable suffices where not
+    saved = getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
+    if has_flag:
+        ray_constants.ENABLE_RAY_CLUSTER = False
     try:
         yield
     finally:
-        ray_constants.ENABLE_RAY_CLUSTER = saved
+        if has_flag:
+            ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
 @contextlib.contextmanager
