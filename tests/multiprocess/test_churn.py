@@ -10,9 +10,9 @@ in turn).
 
 TransferQueue hands a cleared row's global index to the next new key and keeps the row's bytes under
 that index, so a get that took a row's index before a clear can find another key's row there (seen
-here before rows were stamped: ``k31`` read as ``k0``'s row). Every row carries its key's hash (in
-the row blob on ``backend=simple``, in an 8-byte Mooncake object beside the row's fields on
-``backend=mooncake``, read in the same batch), and such a read is read again.
+here before rows were stamped: ``k31`` read as ``k0``'s row, and ``k22``'s field ``y`` as ``k11``'s
+when the stamp was an object of its own). Every row's bytes carry its key's hash: in the row blob on
+``backend=simple``, in the name of each of the row's Mooncake objects on ``backend=mooncake``.
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ contract:
   for its own key's objects (another key's are simply not found, -704, and the get reads the rows'
   metadata again), and a late writer's objects are its own key's, never read as another's. No
   extra object, byte or round trip; TransferQueue's own readers cannot read these rows.
-
 * Mooncake refuses zero-byte objects (``-600``, and TQ then retries for 3 s): a jagged row of length
   0 could not be stored. We never store zero-byte values; their shape, recorded by the controller
   like every other row's, is enough to rebuild them.
