@@ -82,7 +82,12 @@ _RETRIES = 4
 def object_name(global_index: int, stamp: int, field: str) -> str:
     """The Mooncake object holding ``field`` of the row at ``global_index`` whose key hashes to
     ``stamp``."""
-    return f"{global_index}:{stamp & 0xFFFFFFFFFFFFFFFF:016x}@{field}"
+    return _prefixes([global_index], [stamp])[0] + field
+
+
+def _prefixes(global_indexes: Sequence[int], stamps: Sequence[int]) -> list[str]:
+    """Each row's object names up to the field (formatted once per row, not per row and field)."""
+    return [f"{gi}:{st & 0xFFFFFFFFFFFFFFFF:016x}@" for gi, st in zip(global_indexes, stamps, strict=True)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +142,7 @@ class MooncakeData:
         sizes: list[int] = []
         held: list[torch.Tensor] = []
         registered: list[int] = []
+        rows = _prefixes(global_indexes, stamps)
         try:
             for field, col in columns.items():
                 values = col.values.contiguous()
@@ -146,9 +152,9 @@ class MooncakeData:
                 es = values.element_size() * col.schema.row_numel  # bytes per row (dense) or per token
                 cuts = list(range(len(global_indexes) + 1)) if col.offsets is None else col.offsets.tolist()
                 base = values.data_ptr()
-                for gi, st, a, b in zip(global_indexes, stamps, cuts[:-1], cuts[1:], strict=True):
+                for row, a, b in zip(rows, cuts[:-1], cuts[1:], strict=True):
                     if b > a:  # Mooncake refuses empty objects; a zero-length row needs no bytes
-                        keys.append(object_name(gi, st, field))
+                        keys.append(row + field)
                         ptrs.append(base + a * es)
                         sizes.append((b - a) * es)
             codes = self._batches(
@@ -184,6 +190,7 @@ class MooncakeData:
         ptrs: list[int] = []
         sizes: list[int] = []
         registered: list[int] = []
+        rows = _prefixes(global_indexes, stamps)
         try:
             for field, plan in plans.items():
                 schema = plan.schema
@@ -200,9 +207,9 @@ class MooncakeData:
                 if self._register(buf):
                     registered.append(buf.data_ptr())
                 base = buf.data_ptr()
-                for gi, st, a, b in zip(global_indexes, stamps, cuts[:-1], cuts[1:], strict=True):
+                for row, a, b in zip(rows, cuts[:-1], cuts[1:], strict=True):
                     if b > a:
-                        keys.append(object_name(gi, st, field))
+                        keys.append(row + field)
                         ptrs.append(base + a * es)
                         sizes.append((b - a) * es)
             got = self._batches(self._store.batch_get_into, keys, ptrs, sizes)
@@ -224,7 +231,8 @@ class MooncakeData:
 
     def remove(self, global_indexes: Sequence[int], stamps: Sequence[int], fields: Sequence[str]) -> None:
         """Remove ``fields``' objects of the rows at ``global_indexes`` whose keys hash to ``stamps``."""
-        keys = [object_name(gi, st, f) for f in fields for gi, st in zip(global_indexes, stamps, strict=True)]
+        rows = _prefixes(global_indexes, stamps)
+        keys = [row + f for f in fields for row in rows]
         if not keys:
             return
         codes: list[int] = []
