@@ -2,19 +2,17 @@
 reader processes get them (:mod:`dataplane.testing.churn`). Readers see only ``KeyNotFound`` for rows
 cleared under them, never another error, and every row they get is exactly one a writer wrote.
 
-``mooncake://local`` and ``tq://?backend=simple`` in CI, a couple of seconds of churn each;
-``test_churn_soak`` runs a minute each, with short rows and long ones, and ``tq://?backend=mooncake``
-too. The test process owns each deployment, and the churn processes join it by URL (``join_url`` on
-Mooncake; on ``tq://``, ``ray_address=`` the module's Ray, which the TransferQueue deployments use in
-turn).
+Every backend in CI, a couple of seconds of churn each (the ``tq://`` cases share one Ray, started
+once for the module); ``test_churn_soak`` runs a minute each, with short rows and long ones. The
+test process owns each deployment, and the churn processes join it by URL (``join_url`` on
+Mooncake; on ``tq://``, ``ray_address=`` the module's Ray, which the TransferQueue deployments use
+in turn).
 
-Still open on ``tq://?backend=mooncake`` (xfail, soak only): TransferQueue keeps a row's bytes in
-Mooncake under its global index, which a clear frees and a later put of another key reuses, so a
-get that read a row's index before a clear and its bytes after can return another key's row (seen
-here: ``k31`` read as ``k0``'s row), and TransferQueue's per-row record of a field can be missing
-mid-put (``DataPlaneError``). On ``backend=simple`` each row blob carries its key's hash and such a
-read is read again; the Mooncake objects need a stamp of the same kind (see
-docs/backends/transfer_queue.md, Limits).
+TransferQueue hands a cleared row's global index to the next new key and keeps the row's bytes under
+that index, so a get that took a row's index before a clear can find another key's row there (seen
+here before rows were stamped: ``k31`` read as ``k0``'s row, and ``k22``'s field ``y`` as ``k11``'s
+when the stamp was an object of its own). Every row's bytes carry its key's hash: in the row blob on
+``backend=simple``, in the name of each of the row's Mooncake objects on ``backend=mooncake``.
 """
 
 from __future__ import annotations
@@ -45,7 +43,6 @@ TQ_MOONCAKE = pytest.param(
     marks=[
         pytest.mark.tq,
         pytest.mark.skipif(not HAVE_MOONCAKE, reason="needs Mooncake"),
-        pytest.mark.xfail(reason="tq://?backend=mooncake returns another key's row under churn", strict=False),
     ],
     id="tq-mooncake",
 )
@@ -97,7 +94,7 @@ def _churn(url: str, request: pytest.FixtureRequest, seconds: float, scale: int 
             owner.close()
 
 
-@pytest.mark.parametrize("url", [MOONCAKE, TQ_SIMPLE])
+@pytest.mark.parametrize("url", [MOONCAKE, TQ_SIMPLE, TQ_MOONCAKE])
 def test_readers_see_only_whole_rows_or_key_not_found(url: str, request: pytest.FixtureRequest) -> None:
     _churn(url, request, CHURN_SECONDS)
 

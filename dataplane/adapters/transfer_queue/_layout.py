@@ -103,8 +103,8 @@ def signature_matches(schema: FieldSchema, tq_schema: Mapping[str, Any]) -> bool
     if tq_schema.get("dtype") != schema.dtype:
         return False
     nested = bool(tq_schema.get("is_nested"))
-    if schema.kind != "dense":
-        return nested
+    if schema.kind != "dense":  # or plain [B, L, *inner] when every row left has one length
+        return nested or len(tq_schema.get("shape") or ()) == 1 + len(schema.inner_shape)
     if nested:
         return False
     shape = tuple(tq_schema.get("shape") or ())

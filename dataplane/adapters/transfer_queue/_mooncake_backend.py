@@ -1,9 +1,18 @@
 """The data path of TransferQueue's MooncakeStore backend, done by us with TQ's own store handle.
 
 TQ keeps one Mooncake object per (row, field) under the key ``"{global_index}@{field}"`` and lets the
-controller record dtypes and per-row shapes. We keep that layout (TQ's own readers still find the
-data) but move the bytes ourselves, because TQ's path cannot serve dataplane's contract:
+controller record dtypes and per-row shapes. We keep one object per (row, field) and the controller's
+records, but name each object ``"{global_index}:{stamp}@{field}"``, where the stamp is the row key's
+hash (:func:`object_name`), and move the bytes ourselves, because TQ's path cannot serve dataplane's
+contract:
 
+* TQ hands a cleared row's global index to the next new key, and a writer or reader that took the
+  index from the controller before the clear still uses it after. Named by index alone, a reader
+  of the cleared key reads the new key's bytes, and a late writer of the cleared key writes over
+  the new key's fields. Named by index and key, every object says whose it is: a reader asks only
+  for its own key's objects (another key's are simply not found, -704, and the get reads the rows'
+  metadata again), and a late writer's objects are its own key's, never read as another's. No
+  extra object, byte or round trip; TransferQueue's own readers cannot read these rows.
 * Mooncake refuses zero-byte objects (``-600``, and TQ then retries for 3 s): a jagged row of length
   0 could not be stored. We never store zero-byte values; their shape, recorded by the controller
   like every other row's, is enough to rebuild them.
@@ -34,7 +43,7 @@ from dataplane.codec.wire import Column
 from dataplane.errors import BackendUnavailable, CapacityExceeded, DataPlaneError, KeyNotFound
 from dataplane.schema import FieldSchema
 
-__all__ = ["MooncakeData", "ReadPlan"]
+__all__ = ["MooncakeData", "ReadPlan", "object_name"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +77,17 @@ def _executor() -> ThreadPoolExecutor:
 # or now of another size than the controller recorded (-600 for a buffer too small, or a short read).
 _CHANGED = (-600, -703, -704)
 _RETRIES = 4
+
+
+def object_name(global_index: int, stamp: int, field: str) -> str:
+    """The Mooncake object holding ``field`` of the row at ``global_index`` whose key hashes to
+    ``stamp``."""
+    return _prefixes([global_index], [stamp])[0] + field
+
+
+def _prefixes(global_indexes: Sequence[int], stamps: Sequence[int]) -> list[str]:
+    """Each row's object names up to the field (formatted once per row, not per row and field)."""
+    return [f"{gi}:{st & 0xFFFFFFFFFFFFFFFF:016x}@" for gi, st in zip(global_indexes, stamps, strict=True)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,12 +135,14 @@ class MooncakeData:
         raise BackendUnavailable(f"{detail}; is the mooncake_master or the segment owner (the TQ owner) alive?")
 
     # ------------------------------------------------------------------ operations
-    def put(self, global_indexes: Sequence[int], columns: Mapping[str, Column]) -> None:
+    def put(self, global_indexes: Sequence[int], stamps: Sequence[int], columns: Mapping[str, Column]) -> None:
+        """Write ``columns`` to the rows at ``global_indexes`` whose keys hash to ``stamps``."""
         keys: list[str] = []
         ptrs: list[int] = []
         sizes: list[int] = []
         held: list[torch.Tensor] = []
         registered: list[int] = []
+        rows = _prefixes(global_indexes, stamps)
         try:
             for field, col in columns.items():
                 values = col.values.contiguous()
@@ -130,9 +152,9 @@ class MooncakeData:
                 es = values.element_size() * col.schema.row_numel  # bytes per row (dense) or per token
                 cuts = list(range(len(global_indexes) + 1)) if col.offsets is None else col.offsets.tolist()
                 base = values.data_ptr()
-                for gi, a, b in zip(global_indexes, cuts[:-1], cuts[1:], strict=True):
+                for row, a, b in zip(rows, cuts[:-1], cuts[1:], strict=True):
                     if b > a:  # Mooncake refuses empty objects; a zero-length row needs no bytes
-                        keys.append(f"{gi}@{field}")
+                        keys.append(row + field)
                         ptrs.append(base + a * es)
                         sizes.append((b - a) * es)
             codes = self._batches(
@@ -156,13 +178,19 @@ class MooncakeData:
             for ptr in registered:
                 self._store.unregister_buffer(ptr)
 
-    def get(self, global_indexes: Sequence[int], plans: Mapping[str, ReadPlan]) -> dict[str, Column]:
+    def get(
+        self, global_indexes: Sequence[int], stamps: Sequence[int], plans: Mapping[str, ReadPlan]
+    ) -> dict[str, Column]:
+        """Read ``plans``' fields of the rows at ``global_indexes`` whose keys hash to ``stamps``;
+        raises :class:`RowsChanged` when a row is gone or changed while read (its index may now hold
+        another key's row, whose objects have other names)."""
         n = len(global_indexes)
         out: dict[str, Column] = {}
         keys: list[str] = []
         ptrs: list[int] = []
         sizes: list[int] = []
         registered: list[int] = []
+        rows = _prefixes(global_indexes, stamps)
         try:
             for field, plan in plans.items():
                 schema = plan.schema
@@ -179,9 +207,9 @@ class MooncakeData:
                 if self._register(buf):
                     registered.append(buf.data_ptr())
                 base = buf.data_ptr()
-                for gi, a, b in zip(global_indexes, cuts[:-1], cuts[1:], strict=True):
+                for row, a, b in zip(rows, cuts[:-1], cuts[1:], strict=True):
                     if b > a:
-                        keys.append(f"{gi}@{field}")
+                        keys.append(row + field)
                         ptrs.append(base + a * es)
                         sizes.append((b - a) * es)
             got = self._batches(self._store.batch_get_into, keys, ptrs, sizes)
@@ -201,8 +229,10 @@ class MooncakeData:
             for ptr in registered:
                 self._store.unregister_buffer(ptr)
 
-    def remove(self, global_indexes: Sequence[int], fields: Sequence[str]) -> None:
-        keys = [f"{gi}@{f}" for f in fields for gi in global_indexes]
+    def remove(self, global_indexes: Sequence[int], stamps: Sequence[int], fields: Sequence[str]) -> None:
+        """Remove ``fields``' objects of the rows at ``global_indexes`` whose keys hash to ``stamps``."""
+        rows = _prefixes(global_indexes, stamps)
+        keys = [row + f for f in fields for row in rows]
         if not keys:
             return
         codes: list[int] = []

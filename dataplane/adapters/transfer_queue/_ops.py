@@ -53,6 +53,7 @@ from dataplane.adapters.transfer_queue._pack import (
     ParsedPack,
     StaleSchema,
     column_of,
+    key_stamps,
     marker_after_put,
     pack_columns,
     pack_field,
@@ -170,7 +171,8 @@ class TQOps:
         recorded = decode_schemas(bm.custom_meta[:nf])
         old_tags: list[dict[str, Any]] = bm.custom_meta[nf:]
         gis: list[int] = bm.global_indexes[nf:]
-        new_gis = [gi for gi, t in zip(gis, old_tags, strict=True) if MARKER not in t]
+        new = [i for i, t in enumerate(old_tags) if MARKER not in t]
+        new_gis = [gis[i] for i in new]
         try:
             for f, col in columns.items():
                 if f in recorded:
@@ -194,7 +196,8 @@ class TQOps:
                 marking = functools.partial(marker_after_put, pack=packed.pack)
             else:
                 td = TensorDict({f: to_tq(c) for f, c in columns.items()}, batch_size=[len(keys)])
-                writing = asyncio.ensure_future(self._in_thread(self.mooncake.put, gis, columns))
+                stamps = key_stamps(keys).tolist()  # in the objects' names: see _mooncake_backend
+                writing = asyncio.ensure_future(self._in_thread(self.mooncake.put, gis, stamps, columns))
                 await asyncio.shield(writing)  # a timeout must not orphan the write (see _rollback)
                 self.round_trips += 1
                 await self.manager.notify_data_update(partition_id, gis, extract_field_schema(td), None)
@@ -216,7 +219,9 @@ class TQOps:
             if isinstance(e, asyncio.CancelledError) and (task := asyncio.current_task()) is not None:
                 task.uncancel()  # the caller has timed out already: the rollback goes on in the background
             undo = asyncio.ensure_future(
-                asyncio.wait_for(self._rollback(partition_id, new_gis, fields, writing), ROLLBACK_TIMEOUT_S)
+                asyncio.wait_for(
+                    self._rollback(partition_id, new_gis, [keys[i] for i in new], fields, writing), ROLLBACK_TIMEOUT_S
+                )
             )
             self._background.add(undo)
             undo.add_done_callback(self._background.discard)
@@ -235,7 +240,9 @@ class TQOps:
             self.round_trips += 1
             await self.client._clear_meta_in_controller(BatchMeta(gis, [partition_id] * len(gis)))
 
-    async def _rollback(self, partition_id: str, new_gis: list[int], fields: list[str], writing: Any) -> None:
+    async def _rollback(
+        self, partition_id: str, new_gis: list[int], new_keys: list[str], fields: list[str], writing: Any
+    ) -> None:
         """Remove the rows a failed put created: their bytes, then their keys."""
         from transfer_queue.metadata import BatchMeta
 
@@ -248,7 +255,9 @@ class TQOps:
             if self.mooncake is None:
                 await asyncio.wait_for(self.manager.clear_data(meta), ROLLBACK_TIMEOUT_S / 2)
             else:
-                await asyncio.wait_for(self._in_thread(self.mooncake.remove, new_gis, fields), ROLLBACK_TIMEOUT_S / 2)
+                stamps = key_stamps(new_keys).tolist()
+                removing = self._in_thread(self.mooncake.remove, new_gis, stamps, fields)
+                await asyncio.wait_for(removing, ROLLBACK_TIMEOUT_S / 2)
         except Exception as e:
             log.warning("dataplane: rollback could not remove the data of %d rows: %s", len(new_gis), e)
         await self._unregister(partition_id, new_gis)
@@ -303,7 +312,8 @@ class TQOps:
             plans = {f: ReadPlan(known[f], self._lengths(f, known[f], bm.field_schema[f], n)) for f in fields}
         except DataPlaneError as e:  # read mid-way through another process's put or clear of these rows?
             raise RowsChanged(str(e)) from e
-        got: dict[str, Column] = await self._in_thread(self.mooncake.get, bm.global_indexes, plans)
+        stamps = key_stamps(keys).tolist()  # a row whose index went to another key is not found under its name
+        got: dict[str, Column] = await self._in_thread(self.mooncake.get, bm.global_indexes, stamps, plans)
         return got
 
     async def _packed_get(
@@ -398,6 +408,10 @@ class TQOps:
         if schema.kind == "dense":
             return None
         shapes = tq.get("per_sample_shapes")
+        if not tq.get("is_nested") and tq.get("shape") is not None:
+            # every row left has one shape (the others were cleared): TQ then records the field as a
+            # plain [B, L, *inner] one and forgets the per-row shapes
+            shapes = [tq["shape"]] * n
         if not shapes or len(shapes) != n or any(s is None or tuple(s[1:]) != schema.inner_shape for s in shapes):
             seen = None if not shapes else sorted({str(s) for s in shapes})[:4]
             raise DataPlaneError(
@@ -417,7 +431,8 @@ class TQOps:
         if keys is None:
             await self._drop_partition(partition_id)
             return
-        bm = await self._retrieve(partition_id, [k for k in keys if not is_reserved(k)])
+        asked = [k for k in keys if not is_reserved(k)]
+        bm = await self._retrieve(partition_id, asked)
         if bm.size == 0:
             return
         fields = set(bm.field_names).union(*(split_fields(t.get(MARKER)) for t in bm.custom_meta))
@@ -426,7 +441,8 @@ class TQOps:
         if self.mooncake is None:
             await self.manager.clear_data(bm)
         else:
-            await self._in_thread(self.mooncake.remove, bm.global_indexes, sorted(fields))
+            named = asked if bm.size == len(asked) else None  # every key found: in order, no need to ask
+            await self._remove_objects(partition_id, bm.global_indexes, sorted(fields), named)
         self.round_trips += 1
         await self.client._clear_meta_in_controller(bm)
         rows = (await self._listing(partition_id)).get(partition_id)
@@ -445,9 +461,23 @@ class TQOps:
                 if self.mooncake is None:
                     await self.manager.clear_data(meta)
                 else:
-                    await self._in_thread(self.mooncake.remove, meta.global_indexes, meta.field_names)
+                    await self._remove_objects(partition_id, meta.global_indexes, meta.field_names)
         self.round_trips += 1
         await self.client._clear_partition_in_controller(partition_id)
+
+    async def _remove_objects(
+        self, partition_id: str, gis: list[int], fields: Sequence[str], keys: Sequence[str | None] | None = None
+    ) -> None:
+        """Remove the Mooncake objects of ``fields`` of the rows at ``gis``: their names carry the
+        rows' ``keys``, which the controller names when not given (1 round trip)."""
+        assert self.mooncake is not None
+        if keys is None:
+            self.round_trips += 1
+            keys = await self.client.async_kv_retrieve_keys(global_indexes=list(gis), partition_id=partition_id)
+        known = [(gi, k) for gi, k in zip(gis, keys, strict=True) if isinstance(k, str) and not is_reserved(k)]
+        if known:
+            stamps = key_stamps([k for _, k in known]).tolist()
+            await self._in_thread(self.mooncake.remove, [gi for gi, _ in known], stamps, list(fields))
 
     async def list(self, partition_id: str | None) -> Listing:
         out: Listing = {}

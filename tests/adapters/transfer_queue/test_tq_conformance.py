@@ -16,6 +16,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 import dataplane
 from dataplane.client import DataPlaneClient
+from dataplane.errors import KeyNotFound
 from dataplane.testing import ClientConformance, make_state_machine
 
 pytestmark = [pytest.mark.tq]
@@ -96,6 +97,44 @@ class _TQConformance(ClientConformance):
             out = client.kv_batch_get(old, select_fields=["x"])
             assert out["x"].dtype == torch.float32 and torch.equal(out["x"], torch.full((2, 3), 0.5))
             assert store.round_trips - before == 2
+        finally:
+            client.kv_clear(partition_id=pid)
+
+    def test_a_row_index_handed_to_another_key_is_not_read_as_its_own(
+        self, client: DataPlaneClient, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """TransferQueue hands a cleared row's index to the next new key: a get that took ``a``'s
+        index before a clear can find ``b``'s row there. Here the controller answers every retrieve
+        of ``a`` with ``b``'s row (same shapes, so no size tells them apart): the get reads again,
+        and never returns ``b``'s row as ``a``'s."""
+        ops: Any = getattr(client, "store")._ops  # noqa: B009 - StoreClient's store
+        pid = "handed-on"
+        try:
+            client.kv_batch_put(["a", "b"], {"x": torch.tensor([[1, 1], [2, 2]])}, partition_id=pid)
+            retrieve = ops._retrieve
+
+            async def handed_on(partition_id: str, keys: list[str], *, create: bool = False) -> Any:
+                return await retrieve(partition_id, ["b" if k == "a" else k for k in keys], create=create)
+
+            monkeypatch.setattr(ops, "_retrieve", handed_on)
+            with pytest.raises(KeyNotFound, match="cleared or rewritten while it read them"):
+                client.kv_batch_get(["a"], partition_id=pid, select_fields=["x"])
+            monkeypatch.undo()
+            assert client.kv_batch_get(["a"], partition_id=pid, select_fields=["x"])["x"].tolist() == [[1, 1]]
+        finally:
+            client.kv_clear(partition_id=pid)
+
+    def test_jagged_rows_left_all_of_one_length_read_back(self, client: DataPlaneClient) -> None:
+        """When the rows left of a jagged field all have one length (here: the others were cleared),
+        TransferQueue records the field as a plain ``[B, L]`` one, without per-row shapes."""
+        pid = "one-length-left"
+        try:
+            x = torch.nested.nested_tensor([torch.arange(3), torch.arange(5)], layout=torch.jagged)
+            meta = client.kv_batch_put(["a", "b"], {"x": x}, partition_id=pid)
+            client.kv_clear(["a"], partition_id=pid)
+            by_keys = client.kv_batch_get(["b"], partition_id=pid, select_fields="x")
+            for out in (by_keys, client.kv_batch_get(meta.subset([1]), select_fields="x")):
+                assert [r.tolist() for r in out["x"].unbind()] == [[0, 1, 2, 3, 4]]
         finally:
             client.kv_clear(partition_id=pid)
 
