@@ -73,11 +73,14 @@ class RawMooncake:
         apply_client_env_defaults()  # the environment the adapter's own clients get
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
+        from dataplane.observability import filtered_stderr
+
         self.store: Any = MooncakeDistributedStore()
-        if real_client:
-            rc = self.store.setup_dummy(arena_bytes, 16 << 20, real_client)
-        else:
-            rc = self.store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master_address)
+        with filtered_stderr():  # Mooncake's harmless glog lines, as for our own clients
+            if real_client:
+                rc = self.store.setup_dummy(arena_bytes, 16 << 20, real_client)
+            else:
+                rc = self.store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master_address)
         if rc != 0:
             raise RuntimeError(f"raw Mooncake setup failed: {rc}")
         self.cfg = ReplicateConfig()
@@ -238,9 +241,12 @@ class RawMooncake:
         self.store.batch_remove(keys, True)
 
     def close(self) -> None:
+        from dataplane.observability import filtered_stderr
+
         for arr in (self.src, self.dst):
             self.store.unregister_buffer(arr.ctypes.data)
-        self.store.close()
+        with filtered_stderr():
+            self.store.close()
 
 
 _RAW: dict[str, RawMooncake] = {}  # master address -> the raw client, reused across cases

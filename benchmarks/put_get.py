@@ -25,6 +25,7 @@ import datetime
 import gc
 import importlib.util
 import json
+import logging
 import math
 import os
 import sys
@@ -330,7 +331,15 @@ def _init_ray() -> None:
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+        from dataplane.observability import backend_logs
+
+        quiet = not backend_logs()  # no token-auth warning, no start-up banner
+        ray.init(
+            num_cpus=max(4, os.cpu_count() or 1),
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level=logging.ERROR if quiet else logging.INFO,
+        )
 
 
 class _Closer:

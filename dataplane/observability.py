@@ -21,11 +21,24 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from dataplane._host.quiet import BACKEND_LOGS_ENV, backend_logs, filtered_stderr
 from dataplane.client import Capabilities, DataPlaneClient, FieldsIn, KeysOrMeta, Listing, PadValues
 from dataplane.codec.wire import Layout
 from dataplane.meta import KVBatchMeta
 
-__all__ = ["CallEvent", "ObservedClient", "payload_bytes"]
+__all__ = [
+    "BACKEND_LOGS_ENV",
+    "CallEvent",
+    "ObservedClient",
+    "backend_logs",
+    "filtered_stderr",
+    "payload_bytes",
+]
+
+# Backend logs: ``filtered_stderr()`` around a native backend call drops only the harmless lines a
+# healthy run prints there (Mooncake's glog: hot cache fd, dummy client reconnect probe) and writes
+# every other line back; ``$DATAPLANE_BACKEND_LOGS=1`` (``backend_logs()``) turns the filtering off. dataplane's own
+# clients use it already; it is public for code that drives a backend's own client beside them.
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from dataplane._host.quiet import BACKEND_LOGS_ENV, filtered_stderr
+from dataplane.observability import BACKEND_LOGS_ENV, filtered_stderr
 
 ROOT = Path(__file__).resolve().parents[2]
 
