@@ -25,6 +25,7 @@ import torch
 import dataplane
 from dataplane.registry import URL_ENV
 from dataplane.store_client import StoreClient
+from dataplane.testing import noisy_lines
 
 ROOT = Path(__file__).resolve().parents[2]
 HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None
@@ -65,6 +66,8 @@ def test_readme_many_processes_script_reads_the_owners_rows_everywhere(url: str)
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr[-4000:]
+    noisy = noisy_lines(out.stderr)  # a healthy run of the recipe is quiet (owner, reader, actor)
+    assert not noisy, f"{url}: the recipe printed on stderr:\n" + "\n".join(noisy)
     rows = [ast.literal_eval(line) for line in out.stdout.splitlines() if line.startswith("[[")]
     assert len(rows) == 3, out.stdout
     assert len(rows[0]) == 2 and len(rows[0][0]) == 3
