@@ -144,9 +144,8 @@ def _bad_row(key: str, x: torch.Tensor, y: int | None, m: Any, scale: int) -> st
 
 def reader(url: str, seed: int, seconds: float, scale: int, env: dict[str, str], conn: Connection) -> None:
     """Get random keys, by keys, until ``seconds`` pass (and :data:`MIN_OPS` gets were tried); check
-    every row. Sends ``(gets, rows,
-    missing, problem)``: gets that returned, rows checked, gets that raised ``KeyNotFound``, and
-    the first bad row or other error (None when there was none)."""
+    every row. Sends ``(gets, rows, missing, problem)``: gets that returned, rows checked, gets that
+    raised ``KeyNotFound``, and the first bad row or other error (None when there was none)."""
     rng, gets, rows, missing, problem, last_missing = random.Random(seed), 0, 0, 0, None, ""
     try:
         os.environ.update(env)
