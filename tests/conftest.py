@@ -76,9 +76,4 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         kept.append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
-    # Files that start processes and Rays first, each file's tests in their order: on two workers
-    # (CI: -n 2 --dist loadfile) the long files then overlap instead of one finishing alone at the end.
-    items[:] = sorted(kept, key=lambda item: _FIRST.get(item.path.parent.name, len(_FIRST)))
-
-
-_FIRST = {"multiprocess": 0, "transfer_queue": 1, "benchmarks": 2, "mooncake": 3}  # test folders, heaviest first
+        items[:] = kept
