@@ -151,6 +151,10 @@ class _Multiprocess:
         owner.kv_clear(partition_id="share")
 
 
+# Soak only (CI time): on backend=simple, Ray actors joining and reading the owner's rows bit-exact
+# run in CI through the README recipe (tests/multiprocess/test_join.py), and the deployment
+# handling below (writer closing, worker killed) is the same code the mooncake class runs in CI.
+@pytest.mark.soak
 class TestTQSimpleMultiprocess(_Multiprocess):
     url = "tq://?backend=simple&timeout_s=60"
 
