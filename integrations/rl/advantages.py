@@ -26,17 +26,22 @@ def _check_jagged(name: str, value: object) -> Tensor:
     return value
 
 
+def _offsets(nt: Tensor) -> Tensor:
+    offsets: Tensor = nt.offsets()  # type: ignore[attr-defined]  # a NestedTensor method
+    return offsets
+
+
 def _lengths(nt: Tensor) -> Tensor:
-    offsets = nt.offsets()
-    lengths = nt.lengths()
-    return (offsets.diff() if lengths is None else lengths).to(torch.int64)
+    lengths: Tensor | None = nt.lengths()  # type: ignore[attr-defined]  # set on non-contiguous views
+    return (_offsets(nt).diff() if lengths is None else lengths).to(torch.int64)
 
 
 def _flat(nt: Tensor) -> tuple[Tensor, Tensor]:
     """Row-major values (row after row, no gaps) and fresh offsets starting at 0."""
     lengths = _lengths(nt)
     if nt.is_contiguous():
-        values = nt.values()[int(nt.offsets()[0]) : int(nt.offsets()[-1])]
+        offsets = _offsets(nt)
+        values = nt.values()[int(offsets[0]) : int(offsets[-1])]
     else:
         values = torch.cat(list(nt.unbind())) if lengths.numel() else nt.values()[:0]
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=values.device)
@@ -86,9 +91,7 @@ def group_advantages(
     if isinstance(group_ids, Tensor):
         group_ids = group_ids.tolist()
     if len(group_ids) != rewards.shape[0]:
-        raise InvalidArgument(
-            f"group_ids has {len(group_ids)} ids for {rewards.shape[0]} rewards; pass one id per row"
-        )
+        raise InvalidArgument(f"group_ids has {len(group_ids)} ids for {rewards.shape[0]} rewards; pass one id per row")
     if not eps >= 0:
         raise InvalidArgument(f"eps must be >= 0, got {eps!r}")
     index: dict[Hashable, int] = {}
