@@ -55,7 +55,7 @@ def _jag(values: Tensor, offsets: Tensor) -> Tensor:
 
 def group_advantages(
     rewards: Tensor,
-    group_ids: Sequence[Hashable],
+    group_ids: Sequence[Hashable] | Tensor,
     *,
     normalize_std: bool = True,
     eps: float = 1e-6,
@@ -71,8 +71,8 @@ def group_advantages(
 
     Args:
         rewards: ``[B]`` floating point rewards, one per row.
-        group_ids: ``B`` hashable ids (e.g. the ``uid`` tag); rows with equal ids form a group. Groups
-            may be interleaved in any order.
+        group_ids: ``B`` hashable ids (e.g. the ``uid`` tag; a 1-D tensor counts by its values); rows with
+            equal ids form a group. Groups may be interleaved in any order.
         normalize_std: divide by the group's std + ``eps``.
         eps: added to the std; must be >= 0.
         leave_one_out: baseline = mean of the group's other members instead of the group's mean.
