@@ -214,7 +214,6 @@ class ClippedPolicyLoss:
     """:func:`clipped_policy_loss` as a configured loss callable for a train step.
 
     Example:
-        >>> import torch
         >>> loss_fn = ClippedPolicyLoss(kl_coef=0.1, loss_type="sequence")
         >>> loss_fn.input, loss_fn.fields
         ('logprobs', ('loss_mask', 'prev_logprobs', 'advantages', 'ref_logprobs'))

@@ -151,6 +151,10 @@ def test_right_shift_noncontiguous_and_trailing_dims() -> None:
     view = torch.nested.narrow(padded, 1, torch.tensor([0, 0, 0]), torch.tensor([2, 4, 1]), layout=torch.jagged)
     got = [r.tolist() for r in right_shift(view).unbind()]
     assert got == [[0.0, 0.0], [0.0, 4.0, 5.0, 6.0], [0.0]]
+    empty_rows = jag([torch.ones(2), torch.zeros(0), torch.full((3,), 2.0), torch.zeros(0)])
+    assert [r.tolist() for r in right_shift(empty_rows).unbind()] == [[0.0, 1.0], [], [0.0, 2.0, 2.0], []]
+    adv, _ = gae(empty_rows, empty_rows, gamma=1.0, lam=1.0)
+    assert [len(r) for r in adv.unbind()] == [2, 0, 3, 0]
     nt = jag([torch.ones(2, 3), torch.full((1, 3), 2.0)])
     out = right_shift(nt).unbind()
     assert torch.equal(out[0], torch.tensor([[0.0] * 3, [1.0] * 3])) and torch.equal(out[1], torch.zeros(1, 3))
