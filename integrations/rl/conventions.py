@@ -1,0 +1,179 @@
+"""Field and tag names of RL batches, and helpers that make model outputs token-aligned.
+
+**Alignment rule.** Every per-token field of a row has the row's length and is aligned to its token:
+
+* ``logprobs[t] = log p(x_t | x_<t)`` (``gen_logprobs``, ``prev_logprobs``, ``ref_logprobs``);
+* ``values[t] = V(s_t)``, the value the model predicts *before* seeing token ``t``;
+* position 0 holds 0 (nothing predicts the first token), and is never a valid loss position.
+
+A causal model's output at position ``t - 1`` is about token ``t``, so its next-token outputs are
+shifted right by one (:func:`shift_to_tokens`, :func:`token_logprobs`) before they are written back.
+Because every per-token field then has the row's length, a write-back never fails a length check.
+
+``loss_mask`` is 1 on generated tokens and 0 on the prompt and padding; ``reward`` is one scalar per
+row (``[B]``). Rows of one prompt are keyed :func:`row_key` and tagged with ``uid``, ``sample_idx``
+and ``weight_version``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from dataplane import InvalidArgument
+from integrations.rl.advantages import right_shift
+
+__all__ = [
+    "ADVANTAGES",
+    "GEN_LOGPROBS",
+    "INPUT_IDS",
+    "LOSS_MASK",
+    "PREV_LOGPROBS",
+    "REF_LOGPROBS",
+    "RETURNS",
+    "REWARD",
+    "TAG_SAMPLE_IDX",
+    "TAG_UID",
+    "TAG_WEIGHT_VERSION",
+    "TOKEN_FIELDS",
+    "VALUES",
+    "row_key",
+    "shift_to_tokens",
+    "token_logprobs",
+    "token_mask",
+]
+
+INPUT_IDS = "input_ids"
+LOSS_MASK = "loss_mask"
+GEN_LOGPROBS = "gen_logprobs"
+PREV_LOGPROBS = "prev_logprobs"
+REF_LOGPROBS = "ref_logprobs"
+VALUES = "values"
+ADVANTAGES = "advantages"
+RETURNS = "returns"
+REWARD = "reward"
+
+#: Fields with one entry per token (the row's length). ``advantages`` may also be per row (``[B]``).
+TOKEN_FIELDS: tuple[str, ...] = (
+    INPUT_IDS,
+    LOSS_MASK,
+    GEN_LOGPROBS,
+    PREV_LOGPROBS,
+    REF_LOGPROBS,
+    VALUES,
+    ADVANTAGES,
+    RETURNS,
+)
+
+TAG_UID = "uid"
+TAG_SAMPLE_IDX = "sample_idx"
+TAG_WEIGHT_VERSION = "weight_version"
+
+
+def row_key(uid: str, i: int) -> str:
+    """The key of the ``i``-th sample of prompt ``uid``.
+
+    >>> row_key("p17", 3)
+    'p17_g3'
+    """
+    return f"{uid}_g{i}"
+
+
+def shift_to_tokens(next_token_outputs: Tensor) -> Tensor:
+    """Token-align next-token outputs: ``out[:, 0] = 0``, ``out[:, t] = x[:, t - 1]`` (dim 1 is time).
+
+    For a right-padded ``[B, T, ...]`` tensor the last position (padding, or the prediction after the
+    final token) drops off the end. A jagged nested tensor is shifted per row
+    (:func:`integrations.rl.advantages.right_shift`), never across rows.
+
+    Args:
+        next_token_outputs: ``[B, T, ...]`` padded, or jagged ``[B, j, ...]``; position ``t`` holds the
+            model's output about token ``t + 1`` (e.g. a value head's ``V(s_{t+1})``).
+
+    Returns:
+        A tensor of the same shape, dtype and layout.
+
+    Example:
+        >>> import torch
+        >>> shift_to_tokens(torch.tensor([[1.0, 2.0, 3.0]]))
+        tensor([[0., 1., 2.]])
+    """
+    x = next_token_outputs
+    if not isinstance(x, Tensor):
+        raise InvalidArgument(f"next_token_outputs must be a tensor [B, T, ...], got {type(x).__name__}")
+    if x.is_nested:
+        return right_shift(x)
+    if x.dim() < 2:
+        raise InvalidArgument(
+            f"next_token_outputs must be [B, T, ...] with time on dim 1, got shape {tuple(x.shape)}; "
+            "add a batch dimension with x.unsqueeze(0)"
+        )
+    out = torch.zeros_like(x)
+    out[:, 1:] = x[:, :-1]
+    return out
+
+
+def token_logprobs(logits: Tensor, input_ids: Tensor, *, temperature: float = 1.0) -> Tensor:
+    """Token-aligned log-probabilities of ``input_ids`` under ``logits``, in float32.
+
+    ``out[:, t] = log_softmax(logits[:, t - 1] / temperature)[input_ids[:, t]]`` for ``t >= 1`` and
+    ``out[:, 0] = 0``. Computed as the gathered logit minus a logsumexp, so no second ``[B, T, V]``
+    tensor of log-probabilities is built (beyond a float32 copy of low-precision logits).
+    Positions past a row's end hold whatever the padding logits give; mask them with ``loss_mask``.
+
+    Args:
+        logits: ``[B, T, V]`` next-token logits of a causal model.
+        input_ids: ``[B, T]`` integer token ids.
+        temperature: the sampling temperature the tokens were generated with; must be > 0.
+
+    Returns:
+        ``[B, T]`` float32.
+
+    Example:
+        >>> import torch
+        >>> logits = torch.zeros(1, 3, 4)  # uniform over 4 tokens
+        >>> token_logprobs(logits, torch.tensor([[2, 0, 3]])).exp()
+        tensor([[1.0000, 0.2500, 0.2500]])
+    """
+    if not isinstance(logits, Tensor) or logits.is_nested or logits.dim() != 3 or not logits.is_floating_point():
+        got = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
+        raise InvalidArgument(f"logits must be a floating point tensor [B, T, V], got {got}")
+    b, t, _ = logits.shape
+    if not isinstance(input_ids, Tensor) or input_ids.is_nested or tuple(input_ids.shape) != (b, t):
+        got = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
+        raise InvalidArgument(f"input_ids must be an integer tensor [B, T] = {(b, t)} matching logits, got {got}")
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise InvalidArgument(f"input_ids must hold integer token ids, got {input_ids.dtype}; use input_ids.long()")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise InvalidArgument(f"temperature must be a number > 0, got {temperature!r}")
+    out = torch.zeros(b, t, dtype=torch.float32, device=logits.device)
+    scaled = logits[:, :-1].float()
+    if temperature != 1.0:
+        scaled = scaled / temperature
+    picked = scaled.gather(-1, input_ids[:, 1:].long().unsqueeze(-1)).squeeze(-1)
+    return torch.cat([out[:, :1], picked - scaled.logsumexp(-1)], dim=1)
+
+
+def token_mask(lengths: Sequence[int] | Tensor, width: int) -> Tensor:
+    """A ``[B, width]`` bool mask, True where ``t < lengths[b]`` (the row's real tokens).
+
+    Args:
+        lengths: ``B`` row lengths, each in ``[0, width]``.
+        width: the padded length ``T``.
+
+    Example:
+        >>> token_mask([2, 0, 3], 3)
+        tensor([[ True,  True, False],
+                [False, False, False],
+                [ True,  True,  True]])
+    """
+    if isinstance(width, bool) or not isinstance(width, int) or width < 0:
+        raise InvalidArgument(f"width must be an int >= 0, got {width!r}")
+    lens = lengths if isinstance(lengths, Tensor) else torch.as_tensor(list(lengths), dtype=torch.int64)
+    if lens.dim() != 1 or lens.is_floating_point() or lens.dtype == torch.bool:
+        raise InvalidArgument(f"lengths must be a 1-D sequence of ints, got shape {tuple(lens.shape)} {lens.dtype}")
+    if lens.numel() and (int(lens.min()) < 0 or int(lens.max()) > width):
+        raise InvalidArgument(f"lengths must lie in [0, width={width}], got {lens.tolist()}; pass a larger width")
+    return torch.arange(width, device=lens.device) < lens[:, None]
