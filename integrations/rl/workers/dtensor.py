@@ -1,0 +1,280 @@
+"""A worker mixin that trains an FSDP2 / DTensor model from the data plane.
+
+Mix :class:`DTensorRLWorkerMixin` into your training worker (one process per rank)::
+
+    class PolicyWorker(DTensorRLWorkerMixin):
+        def __init__(self):
+            self.device_mesh = init_device_mesh("cuda", (dp, tp), mesh_dim_names=("dp", "tp"))
+            self.model = my_model                 # parallelize_module over "tp", fully_shard over "dp"
+            use_sum_reduction(self.model)         # the split step divides by the global count itself
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-6)
+            self.setup_data_plane(url)            # every rank
+
+Then the driver hands each rank the shard meta :func:`dataplane.preshard.shard_meta_for_dp` made
+for its DP rank (TP/CP siblings get the same one) and calls, on every rank:
+
+* :meth:`~DTensorRLWorkerMixin.get_logprobs_presharded` / :meth:`~DTensorRLWorkerMixin.get_values_presharded`:
+  fetch ``input_ids`` (the group's leader reads, its siblings get a broadcast), forward the planned
+  microbatches, write token-aligned results back from the leader only;
+* :meth:`~DTensorRLWorkerMixin.train_presharded`: fetch the fields the loss reads, run the split
+  step (:mod:`integrations.rl.split_step`) over the planned microbatches, return the step's metrics.
+
+Your model's interface is small: :meth:`~DTensorRLWorkerMixin.policy_logits` (``input_ids [B, T] ->
+logits [B, T, V]``) and :meth:`~DTensorRLWorkerMixin.value_predictions` (``-> [B, T]``); by default
+both call ``self.model(input_ids)``, override them for other signatures (a Hugging Face model:
+``self.model(input_ids=ids).logits``). Rows are right-padded and position ``t`` must see only
+tokens ``0..t``.
+
+Microbatches follow the plan in ``meta.extra_info["microbatches"]`` and are never re-packed; every
+DP rank runs the same number of forwards (the shortest pads with empty, zero-loss dummies), so no
+rank waits in a collective its peers never reach. Context parallelism is the host's: CP ranks are
+treated as replicas of their DP rank (same rows; the leader writes), and the host's forward must
+shard and gather the sequence itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDictBase
+from torch import Tensor, nn
+
+from dataplane import InvalidArgument, KVBatchMeta
+from dataplane.worker import DataPlaneWorkerMixin, DeviceMeshReplicaMixin, microbatch_plan
+from integrations.rl.conventions import INPUT_IDS, PREV_LOGPROBS, VALUES, shift_to_tokens, token_logprobs
+from integrations.rl.split_step import SplitTrainStepMixin, group_device
+
+__all__ = ["DTensorRLWorkerMixin", "full_parameters", "use_sum_reduction"]
+
+
+def use_sum_reduction(model: nn.Module) -> int:
+    """Make every FSDP2 module of ``model`` reduce gradients by plain sum over DP (no averaging).
+
+    The split step divides by the global count itself, so FSDP must not average. Gloo has no
+    ``PREMUL_SUM``: ``set_gradient_divide_factor(1.0)`` alone fails on CPU, and
+    ``set_force_sum_reduction_for_comms(True)`` makes the collectives plain sums. Both are per
+    module, so every FSDP module of the tree gets them.
+
+    Returns:
+        how many FSDP modules were set (0 for a model without ``fully_shard``).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    n = 0
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+            n += 1
+    return n
+
+
+def full_parameters(model: nn.Module) -> dict[str, Tensor]:
+    """Every parameter of ``model`` whole (DTensors gathered), detached, on the CPU.
+
+    A collective for sharded models: call it on every rank of the model's mesh.
+    """
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.detach()
+        out[name] = (t.full_tensor() if isinstance(t, DTensor) else t).cpu().clone()
+    return out
+
+
+def _plain(t: Tensor) -> Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
+class DTensorRLWorkerMixin(SplitTrainStepMixin, DeviceMeshReplicaMixin, DataPlaneWorkerMixin):
+    """RL worker glue for FSDP2 / DTensor models; see the module docstring.
+
+    The host sets ``device_mesh`` (named dims with ``"dp"``; optional ``"tp"``, ``"cp"``),
+    ``model``, ``optimizer``, optionally ``lr_scheduler`` and ``max_grad_norm``, and calls
+    :meth:`~dataplane.worker.DataPlaneWorkerMixin.setup_data_plane` on every rank.
+
+    Attributes:
+        logprob_temperature: logits are divided by it before the log-softmax (match the sampler's).
+        forward_micro_batch_size: rows per forward when a meta carries no microbatch plan (None:
+            the whole shard at once).
+        train_micro_batch_size: rows per train microbatch when a meta carries no plan.
+    """
+
+    logprob_temperature: float = 1.0
+    forward_micro_batch_size: int | None = None
+    train_micro_batch_size: int | None = None
+
+    # -- the host's model ------------------------------------------------------------------------
+    def policy_logits(self, input_ids: Tensor) -> Tensor:
+        """``input_ids [B, T] -> logits [B, T, V]`` (next-token logits at each position)."""
+        return _plain(self.model(input_ids))
+
+    def value_predictions(self, input_ids: Tensor) -> Tensor:
+        """``input_ids [B, T] -> [B, T]``: at position t, the value after seeing tokens ``0..t``."""
+        out = _plain(self.model(input_ids))
+        return out.squeeze(-1) if out.dim() == 3 else out
+
+    def token_logprobs_of(self, input_ids: Tensor) -> Tensor:
+        """Token-aligned logprobs ``[B, T]`` of ``input_ids`` (position 0 holds 0)."""
+        return token_logprobs(self.policy_logits(input_ids), input_ids, temperature=self.logprob_temperature)
+
+    def token_values_of(self, input_ids: Tensor) -> Tensor:
+        """Token-aligned values ``[B, T]``: ``V(s_t)``, predicted before token t (position 0 holds 0)."""
+        return shift_to_tokens(self.value_predictions(input_ids))
+
+    # -- split-step hooks ------------------------------------------------------------------------
+    def train_dp_group(self) -> Any | None:
+        names = tuple(self.device_mesh.mesh_dim_names or ())
+        dims = [d for d in self.data_plane_dp_dims if d in names]
+        if not dims:
+            raise InvalidArgument(f"the device mesh {names} has none of the DP dims {self.data_plane_dp_dims}")
+        if len(dims) > 1:
+            return self.device_mesh[tuple(dims)]._flatten().get_group()
+        return self.device_mesh.get_group(dims[0])
+
+    def train_world_group(self) -> Any | None:
+        if self.device_mesh.size() != dist.get_world_size():
+            raise InvalidArgument(
+                f"the device mesh spans {self.device_mesh.size()} of {dist.get_world_size()} ranks; override "
+                "train_world_group() to return the group of every rank training this model"
+            )
+        return dist.group.WORLD
+
+    def loss_inputs(self, batch: Any, loss_fn: Any) -> Tensor:
+        ids = batch[INPUT_IDS]
+        return self.token_logprobs_of(ids) if loss_fn.input == "logprobs" else self.token_values_of(ids)
+
+    # -- presharded calls ------------------------------------------------------------------------
+    def train_presharded(self, meta: KVBatchMeta, loss_fn: Any) -> dict[str, float]:
+        """One whole optimizer step on this rank's shard: begin, every planned microbatch, finish.
+
+        On an exception the step is aborted (parameters and optimizer state untouched) and re-raised.
+        """
+        self.begin_train_step(loss_fn)
+        try:
+            self.train_microbatches_presharded(meta)
+            return self.finish_train_step()
+        except BaseException:
+            if self.train_step_open:
+                self.abort_train_step()
+            raise
+
+    def train_microbatches_presharded(self, meta: KVBatchMeta) -> list[dict[str, float]]:
+        """Fetch this shard and train its planned microbatches into the open step (see split_step).
+
+        Call it any number of times between ``begin_train_step`` and ``finish_train_step`` (an
+        async trainer trains each ready chunk as it comes). Returns each microbatch's metrics.
+        """
+        step = self._require_open("train_microbatches_presharded")
+        fields = list(dict.fromkeys((INPUT_IDS, *step.loss_fn.fields)))
+        data = self.fetch_agreed(meta, fields)
+        return [self.train_microbatch(mb) for _, mb in self.planned_microbatches(data, meta, self.train_micro_batch_size)]
+
+    def get_logprobs_presharded(self, meta: KVBatchMeta, out_field: str = PREV_LOGPROBS) -> KVBatchMeta | None:
+        """Write this shard's token-aligned logprobs to ``out_field`` (from the replica leader only).
+
+        Returns:
+            the meta with ``out_field`` added on the writing rank, None on its siblings.
+        """
+        return self._forward_presharded(meta, out_field, self.token_logprobs_of)
+
+    def get_values_presharded(self, meta: KVBatchMeta, out_field: str = VALUES) -> KVBatchMeta | None:
+        """Write this shard's token-aligned values ``V(s_t)`` to ``out_field`` (from the leader only)."""
+        return self._forward_presharded(meta, out_field, self.token_values_of)
+
+    def fetch_agreed(self, meta: KVBatchMeta, fields: list[str]) -> TensorDictBase:
+        """:meth:`~dataplane.worker.DataPlaneWorkerMixin.fetch` (padded), then every rank of the model learns
+        whether any failed: if one did, all raise the same typed error (the first failing rank's class and
+        message) instead of the others entering a forward whose collectives the failed rank never joins.
+        """
+        error: BaseException | None = None
+        data: Any = None
+        try:
+            data = self.fetch(meta, select_fields=fields)
+        except Exception as e:
+            error = e
+        group = self.train_world_group()
+        if group is None or dist.get_world_size(group) == 1:
+            if error is not None:
+                raise error
+            return data  # type: ignore[no-any-return]
+        me = dist.get_rank()
+        first = torch.tensor([me if error is not None else _NO_RANK], dtype=torch.int64, device=group_device(group))
+        dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
+        src = int(first.item())
+        if src == _NO_RANK:
+            return data  # type: ignore[no-any-return]
+        box: list[Any] = [(type(error).__name__, str(error))] if me == src else [None]
+        dist.broadcast_object_list(box, src=src, group=group)
+        raise _rebuild_error(*box[0]) from error
+
+    def planned_microbatches(
+        self, data: TensorDictBase, meta: KVBatchMeta, micro_batch_size: int | None
+    ) -> Iterator[tuple[list[int], TensorDictBase]]:
+        """``(row positions, microbatch)`` per the meta's plan, then empty dummies up to the DP maximum.
+
+        Without a plan, consecutive chunks of ``micro_batch_size`` rows (or the whole shard). The
+        count is agreed over DP (one small all-reduce), so a rank with fewer microbatches runs
+        empty ones and every rank joins every collective of every forward and backward.
+        """
+        plan = microbatch_plan(meta)
+        if plan is None:
+            rows = meta.size
+            size = rows if not micro_batch_size else micro_batch_size
+            plan = [list(range(s, min(s + size, rows))) for s in range(0, rows, max(size, 1))]
+        count = torch.tensor([len(plan)], dtype=torch.int64)
+        group = self.train_dp_group()
+        if group is not None and dist.get_world_size(group) > 1:
+            count = count.to(group_device(group))
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+        plan = plan + [[] for _ in range(int(count.item()) - len(plan))]
+        for positions in plan:
+            if not positions:
+                yield positions, data[0:0]
+            elif positions == list(range(positions[0], positions[0] + len(positions))):
+                yield positions, data[positions[0] : positions[0] + len(positions)]
+            else:
+                yield positions, data[torch.tensor(positions, dtype=torch.int64)]
+
+    def _forward_presharded(self, meta: KVBatchMeta, out_field: str, forward: Any) -> KVBatchMeta | None:
+        data = self.fetch_agreed(meta, [INPUT_IDS])
+        width = int(data[INPUT_IDS].shape[1]) if meta.size else 0
+        result = torch.zeros(meta.size, width, dtype=torch.float32)
+        with _eval_mode(self.model):
+            for positions, mb in self.planned_microbatches(data, meta, self.forward_micro_batch_size):
+                out = forward(mb[INPUT_IDS])
+                if positions:
+                    result[torch.tensor(positions, dtype=torch.int64)] = out.detach().float().cpu()
+        if meta.size == 0:
+            return meta if self.is_writeback_leader() else None
+        return self.write_back(meta, {out_field: result}, token_fields=[out_field])
+
+
+_NO_RANK = 2**62
+
+
+def _rebuild_error(name: str, message: str) -> Exception:
+    import dataplane
+
+    cls = getattr(dataplane, name, None)
+    if isinstance(cls, type) and issubclass(cls, dataplane.DataPlaneError):
+        return cls(message)
+    return dataplane.DataPlaneError(f"{name}: {message}")
