@@ -158,28 +158,37 @@ def group_device(group: Any) -> torch.device:
 
 # -- gradient norm ---------------------------------------------------------------------------------
 def grad_norm(parameters: Iterable[nn.Parameter]) -> Tensor:
-    """The 2-norm of all gradients, plain tensors and DTensors (FSDP2, TP) alike, as a plain tensor.
+    """The 2-norm of all gradients, plain tensors and DTensors (FSDP2, TP) alike, as a float64 CPU tensor.
 
-    DTensor gradients are grouped by mesh and placements; each group's norm is one reduction over
-    its mesh, so FSDP-only and FSDP+TP parameters can be mixed (``torch.nn.utils.get_total_norm``
-    cannot stack norms living on different meshes).
+    Each rank sums the squares of its local shards, grouped by the mesh dims they are sharded over,
+    and each group's sum is all-reduced over those dims only (replicated dims are not summed twice).
+    So FSDP-only and FSDP+TP parameters mix freely, with one small all-reduce per distinct sharding.
+    A collective for sharded gradients: every rank of the mesh calls it with the same parameters.
     """
     from torch.distributed.tensor import DTensor
 
-    groups: dict[Any, list[Tensor]] = {}
+    buckets: dict[tuple[int, ...], tuple[tuple[Any, ...], Tensor]] = {}
     for p in parameters:
         g = p.grad
         if g is None:
             continue
-        key = (id(g.device_mesh), tuple(g.placements)) if isinstance(g, DTensor) else ("local", g.device)
-        groups.setdefault(key, []).append(g)
-    squares: list[Tensor] = []
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, 2.0)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        squares.append(norm.double().cpu() ** 2)
-    return torch.stack(squares).sum().sqrt() if squares else torch.zeros((), dtype=torch.float64)
+        if isinstance(g, DTensor):
+            local = g.to_local()
+            groups = tuple(
+                g.device_mesh.get_group(i) for i, pl in enumerate(g.placements) if pl.is_shard() or pl.is_partial()
+            )
+        else:
+            local, groups = g, ()
+        key = tuple(id(x) for x in groups)
+        if key not in buckets:
+            buckets[key] = (groups, torch.zeros((), dtype=torch.float64, device=local.device))
+        buckets[key][1].add_(local.detach().double().pow(2).sum())
+    total = torch.zeros((), dtype=torch.float64)
+    for groups, squares in buckets.values():
+        for group in groups:
+            dist.all_reduce(squares, group=group)
+        total += squares.cpu()
+    return total.sqrt()
 
 
 def _scale_grads(params: Iterable[nn.Parameter], scale: float) -> None:

@@ -1,0 +1,140 @@
+"""The DTensor worker mixin through a real store: 2 DP x 2 TP gloo ranks on ``mooncake://local``.
+
+The test process owns the store and writes rollout rows; four ranks (tiny policy and critic, TP
+over pairs of ranks, FSDP over DP) join it by URL with the shard metas the preshard step made, and
+write logprobs and values back from each replica group's leader. The test then reads every row and
+checks it against a single-process forward of the same weights.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import dataplane
+from dataplane import KVBatchMeta
+from dataplane.columns import first_write, read_columns
+from dataplane.observability import CallEvent, ObservedClient
+from dataplane.preshard import shard_meta_for_dp
+from dataplane.testing.ranks import run_ranks
+from integrations.rl.conventions import token_logprobs
+from integrations.rl.losses import ClippedPolicyLoss
+from integrations.rl.workers.model import TinyCausalLM, TinyConfig
+from integrations.rl.workers.tiny import TinyDTensorWorker
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.mooncake]
+
+POLICY = TinyConfig(vocab_size=32, dim=32, n_layers=2, n_heads=4, max_len=32)
+CRITIC = TinyConfig(vocab_size=32, dim=32, n_layers=2, n_heads=4, max_len=32, head="value")
+UIDS, GROUP, TP = [f"p{i}" for i in range(6)], 2, 2
+READ_LIMIT_S = 20.0
+
+
+def rollout() -> tuple[dict[str, Any], list[int]]:
+    g = torch.Generator().manual_seed(7)
+    n = len(UIDS) * GROUP
+    lengths = torch.randint(3, 25, (n,), generator=g).tolist()
+    ids = torch.randint(1, POLICY.vocab_size, (n, 24), generator=g)
+    mask = torch.zeros(n, 24, dtype=torch.int64)
+    for i, length in enumerate(lengths):
+        ids[i, length:] = 0
+        mask[i, 2:length] = 1  # two prompt tokens, the rest generated
+    return {"input_ids": ids, "loss_mask": mask, "advantages": torch.randn(n, generator=g)}, lengths
+
+
+def _rank(rank: int, world: int, url: str, shards: list[KVBatchMeta], bad: KVBatchMeta) -> dict[str, Any]:
+    events: list[CallEvent] = []
+    client = ObservedClient(dataplane.connect(url), events.append)
+    out: dict[str, Any] = {}
+    try:
+        policy = TinyDTensorWorker(POLICY, tp=TP, seed=0, lr=1e-3)
+        critic = TinyDTensorWorker(CRITIC, tp=TP, seed=1)
+        for w in (policy, critic):
+            w.setup_data_plane(client)
+        dp = policy.device_mesh.get_local_rank("dp")
+        shard = shards[dp]
+        out["leader"] = policy.is_writeback_leader()
+        written = policy.get_logprobs_presharded(shard)
+        out["logprob_fields"] = None if written is None else list(written.fields)
+        critic.get_values_presharded(shard)
+        metrics = policy.train_presharded(shard, ClippedPolicyLoss())
+        out["train"] = {k: metrics[k] for k in ("num_elements", "ratio_min", "ratio_max", "clip_fraction")}
+        out["version"] = policy.weight_version
+        out["puts"] = [(e.op, e.n_keys) for e in events if e.op == "kv_batch_put"]
+        t0 = time.monotonic()
+        try:
+            policy.get_logprobs_presharded(bad if dp == 0 else shard)
+            out["bad"] = None
+        except Exception as e:
+            out["bad"] = (type(e).__name__, str(e))
+        out["bad_s"] = time.monotonic() - t0
+        # every rank is still in step after the failure: a clean call works
+        out["after_bad"] = (policy.get_logprobs_presharded(shard, out_field="again") is not None) == out["leader"]
+    finally:
+        client.close()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_logprobs_and_values_presharded_write_each_key_once_token_aligned() -> None:
+    fields, lengths = rollout()
+    with dataplane.connect("mooncake://local") as owner:
+        meta = first_write(
+            owner,
+            fields,
+            uids=UIDS,
+            group_size=GROUP,
+            partition_id="rl",
+            token_fields=["input_ids", "loss_mask"],
+            lengths=lengths,
+        )
+        shards = shard_meta_for_dp(meta, 2, max_tokens_per_microbatch=48)
+        assert all(len(s.extra_info["microbatches"]) > 1 for s in shards), "the test wants several microbatches"
+        bad = KVBatchMeta(
+            partition_id="rl",
+            keys=[*shards[0].keys, "no-such-row"],
+            sequence_lengths=[*shards[0].sequence_lengths, 4],
+        )
+        results = run_ranks(_rank, 4, owner.url, shards, bad, timeout_s=240)
+
+        n = meta.size
+        puts = [p for r in results for p in r["puts"]]
+        assert sum(k for _, k in puts) == 2 * n, "logprobs and values: every key written once each, train writes nothing"
+        for rank, r in enumerate(results):
+            assert r["leader"] == (rank % TP == 0)
+            assert (r["logprob_fields"] is not None) == r["leader"]
+            assert (len(r["puts"]) > 0) == r["leader"], "only leaders write"
+        got = read_columns(owner, meta, ["input_ids", "prev_logprobs", "values", "again"], layout="jagged")
+        # written after the step, so from other weights: same rows, other values
+        assert torch.equal(got["again"].offsets(), got["prev_logprobs"].offsets())
+        assert not torch.equal(got["again"].values(), got["prev_logprobs"].values())
+
+    torch.manual_seed(0)
+    policy = TinyCausalLM(POLICY)
+    torch.manual_seed(1)
+    critic = TinyCausalLM(CRITIC)
+    valid = 0
+    with torch.no_grad():
+        for i, length in enumerate(lengths):
+            ids = got["input_ids"][i]
+            lp, v = got["prev_logprobs"][i], got["values"][i]
+            assert lp.shape == v.shape == (length,), "token-aligned: one value per token of the row"
+            assert lp[0] == 0 and v[0] == 0, "position 0 holds 0"
+            expect_lp = token_logprobs(policy(ids[None]), ids[None])[0]
+            expect_v = torch.cat([torch.zeros(1), critic(ids[None])[0, :-1]])
+            torch.testing.assert_close(lp, expect_lp, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(v, expect_v, rtol=1e-5, atol=1e-5)
+            valid += length - 2
+
+    for r in results:
+        t = r["train"]
+        assert t["num_elements"] == valid and r["version"] == 1
+        # prev_logprobs came from the same weights: every ratio is 1, nothing is clipped
+        assert abs(t["ratio_min"] - 1) < 1e-5 and abs(t["ratio_max"] - 1) < 1e-5 and t["clip_fraction"] == 0
+        name, message = r["bad"]
+        assert name == "KeyNotFound" and "no-such-row" in message, r["bad"]
+        assert r["bad_s"] < READ_LIMIT_S and r["after_bad"]
+    assert len({r["bad"] for r in results}) == 1, "every rank raises the same error"
