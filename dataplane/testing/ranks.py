@@ -44,13 +44,17 @@ def free_port() -> int:
 
 
 def _rank_main(
-    target: Callable[..., Any], rank: int, world: int, port: int, pg_timeout_s: float, results: Any, args: tuple[Any, ...]
+    target: Callable[..., Any],
+    rank: int,
+    world: int,
+    port: int,
+    pg_timeout_s: float,
+    results: Any,
+    args: tuple[Any, ...],
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout_s)
-        )
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout_s))
         out: tuple[str, Any] = ("ok", target(rank, world, *args))
     except BaseException:
         out = ("error", traceback.format_exc())
@@ -85,7 +89,7 @@ def run_ranks(
         RankFailure: a rank raised or crashed (every traceback is in the message), or ranks did not
             report within ``timeout_s`` (they are killed).
     """
-    ctx = mp.get_context(start_method)
+    ctx: Any = mp.get_context(start_method)
     results = ctx.Queue()
     port = free_port()
     procs = [

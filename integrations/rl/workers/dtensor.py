@@ -186,7 +186,9 @@ class DTensorRLWorkerMixin(SplitTrainStepMixin, DeviceMeshReplicaMixin, DataPlan
         step = self._require_open("train_microbatches_presharded")
         fields = list(dict.fromkeys((INPUT_IDS, *step.loss_fn.fields)))
         data = self.fetch_agreed(meta, fields)
-        return [self.train_microbatch(mb) for _, mb in self.planned_microbatches(data, meta, self.train_micro_batch_size)]
+        return [
+            self.train_microbatch(mb) for _, mb in self.planned_microbatches(data, meta, self.train_micro_batch_size)
+        ]
 
     def get_logprobs_presharded(self, meta: KVBatchMeta, out_field: str = PREV_LOGPROBS) -> KVBatchMeta | None:
         """Write this shard's token-aligned logprobs to ``out_field`` (from the replica leader only).
@@ -238,8 +240,10 @@ class DTensorRLWorkerMixin(SplitTrainStepMixin, DeviceMeshReplicaMixin, DataPlan
         plan = microbatch_plan(meta)
         if plan is None:
             rows = meta.size
-            size = rows if not micro_batch_size else micro_batch_size
-            plan = [list(range(s, min(s + size, rows))) for s in range(0, rows, max(size, 1))]
+            if micro_batch_size is not None and (isinstance(micro_batch_size, bool) or micro_batch_size < 1):
+                raise InvalidArgument(f"micro_batch_size must be an int >= 1 or None, got {micro_batch_size!r}")
+            size = micro_batch_size or rows or 1
+            plan = [list(range(s, min(s + size, rows))) for s in range(0, rows, size)]
         count = torch.tensor([len(plan)], dtype=torch.int64)
         group = self.train_dp_group()
         if group is not None and dist.get_world_size(group) > 1:

@@ -74,7 +74,10 @@ class _Attention(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         b, t, _ = x.shape
         # Under TP each rank holds n_heads / tp heads: count them from the local projection width.
-        q, k, v = (y.view(b, t, y.shape[-1] // self.head_dim, self.head_dim).transpose(1, 2) for y in (p(x) for p in (self.q, self.k, self.v)))
+        q, k, v = (
+            y.view(b, t, y.shape[-1] // self.head_dim, self.head_dim).transpose(1, 2)
+            for y in (p(x) for p in (self.q, self.k, self.v))
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o(y.transpose(1, 2).reshape(b, t, q.shape[1] * self.head_dim))  # type: ignore[no-any-return]
 

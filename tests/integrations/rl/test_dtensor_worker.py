@@ -102,7 +102,9 @@ def test_logprobs_and_values_presharded_write_each_key_once_token_aligned() -> N
 
         n = meta.size
         puts = [p for r in results for p in r["puts"]]
-        assert sum(k for _, k in puts) == 2 * n, "logprobs and values: every key written once each, train writes nothing"
+        assert sum(k for _, k in puts) == 2 * n, (
+            "logprobs and values: every key written once each, train writes nothing"
+        )
         for rank, r in enumerate(results):
             assert r["leader"] == (rank % TP == 0)
             assert (r["logprob_fields"] is not None) == r["leader"]
