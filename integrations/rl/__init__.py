@@ -1,1 +1,44 @@
-"""RL training flows on the data plane (GRPO, PPO, async pumps) and trainer-worker glue."""
+"""RL training on the data plane: token-aligned conventions, advantage math, losses, the split train
+step, and worker glue for FSDP2/DTensor trainers (:mod:`integrations.rl.workers`).
+
+Only public ``dataplane`` names are used; Ray is never imported here. See ``docs/rl.md``.
+
+>>> import torch
+>>> from integrations.rl import group_advantages
+>>> [round(a, 4) for a in group_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), ["a", "a", "b", "b"]).tolist()]
+[0.7071, -0.7071, 0.0, 0.0]
+"""
+
+from integrations.rl.advantages import gae, group_advantages, right_shift
+from integrations.rl.conventions import row_key, shift_to_tokens, token_logprobs, token_mask
+from integrations.rl.losses import ClippedPolicyLoss, LossOutput, LossType, ValueLoss
+from integrations.rl.split_step import (
+    LossFunction,
+    PeerFailure,
+    SplitTrainStepMixin,
+    TrainStepError,
+    aggregate_metrics,
+    clip_grad_norm_,
+    grad_norm,
+)
+
+__all__ = [
+    "ClippedPolicyLoss",
+    "LossFunction",
+    "LossOutput",
+    "LossType",
+    "PeerFailure",
+    "SplitTrainStepMixin",
+    "TrainStepError",
+    "ValueLoss",
+    "aggregate_metrics",
+    "clip_grad_norm_",
+    "gae",
+    "grad_norm",
+    "group_advantages",
+    "right_shift",
+    "row_key",
+    "shift_to_tokens",
+    "token_logprobs",
+    "token_mask",
+]
