@@ -3,7 +3,8 @@
 For tests of workers that train or fetch over process groups: each rank is a separate process
 (forked from a forkserver, so imports are paid once), joins a gloo group over loopback, runs
 ``target(rank, world, *args)`` and sends back its return value. Nothing waits forever: the group has
-a collective timeout and the whole run a deadline, after which the processes are killed.
+a collective timeout and the whole run a deadline, after which the processes are killed. NCCL groups
+of GPU ranks work the same way (``backend="nccl"``, spawned processes).
 
 >>> def hello(rank: int, world: int) -> int:  # doctest: +SKIP
 ...     t = torch.ones(1)
@@ -22,13 +23,13 @@ import socket
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dataplane.errors import DataPlaneError
+from dataplane.errors import DataPlaneError, InvalidArgument
 
 __all__ = ["RankFailure", "free_port", "run_ranks"]
 
@@ -51,6 +52,7 @@ def _rank_main(
     port: int,
     pg_timeout_s: float,
     threads: int | None,
+    backend: str,
     results: Any,
     args: tuple[Any, ...],
 ) -> None:
@@ -58,7 +60,12 @@ def _rank_main(
     try:
         if threads is not None:
             torch.set_num_threads(threads)
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout_s))
+        kw: dict[str, Any] = {}
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            kw["device_id"] = torch.device("cuda", rank)  # eager NCCL init: new_group builds communicators
+        timeout = datetime.timedelta(seconds=pg_timeout_s)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kw)
         out: tuple[str, Any] = ("ok", target(rank, world, *args))
     except BaseException:
         out = ("error", traceback.format_exc())
@@ -75,9 +82,10 @@ def run_ranks(
     timeout_s: float = 180.0,
     pg_timeout_s: float = 60.0,
     threads: int | None = 1,
-    start_method: str = "forkserver",
+    backend: Literal["gloo", "nccl"] = "gloo",
+    start_method: str | None = None,
 ) -> list[Any]:
-    """Run ``target(rank, world, *args)`` on ``world`` fresh processes forming one gloo group.
+    """Run ``target(rank, world, *args)`` on ``world`` fresh processes forming one process group.
 
     Args:
         target: a module-level function (it is pickled by name); its return value must pickle.
@@ -87,7 +95,9 @@ def run_ranks(
         pg_timeout_s: the process group's collective timeout.
         threads: ``torch.set_num_threads`` in each rank (None leaves torch's default). Ranks sharing
             a few cores run several times faster with one thread each than oversubscribed.
-        start_method: ``forkserver`` (fast: the server has torch imported once) or ``spawn``.
+        backend: ``gloo`` (CPU) or ``nccl`` (rank ``r`` on GPU ``r``).
+        start_method: default ``forkserver`` for gloo (fast: the server has torch imported once) and
+            ``spawn`` for NCCL (each rank starts CUDA in a fresh interpreter).
 
     Returns:
         the return values, in rank order.
@@ -96,11 +106,15 @@ def run_ranks(
         RankFailure: a rank raised or crashed (every traceback is in the message), or ranks did not
             report within ``timeout_s`` (they are killed).
     """
-    ctx: Any = mp.get_context(start_method)
+    if backend not in ("gloo", "nccl"):
+        raise InvalidArgument(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    ctx: Any = mp.get_context(start_method or ("forkserver" if backend == "gloo" else "spawn"))
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(target, r, world, port, pg_timeout_s, threads, results, args), daemon=True)
+        ctx.Process(
+            target=_rank_main, args=(target, r, world, port, pg_timeout_s, threads, backend, results, args), daemon=True
+        )
         for r in range(world)
     ]
     for p in procs:

@@ -9,14 +9,9 @@ store. ``tests/worker/test_worker_gpu.py`` runs the same scenarios over NCCL.
 
 from __future__ import annotations
 
-import datetime
 import hashlib
-import os
 import pickle
-import queue
-import socket
 import time
-import traceback
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
@@ -24,7 +19,6 @@ from typing import Any, cast
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from tensordict import NonTensorStack, TensorDict
 
 import dataplane
@@ -38,6 +32,7 @@ from dataplane.errors import (
 )
 from dataplane.meta import KVBatchMeta
 from dataplane.observability import CallEvent, ObservedClient
+from dataplane.testing.ranks import run_ranks
 from dataplane.worker import (
     DataPlaneWorkerMixin,
     Descriptor,
@@ -290,67 +285,17 @@ SCENARIOS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
 }
 
 
-def rank_main(rank: int, world: int, port: int, backend: str, results: Any, names: Sequence[str]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    out: dict[str, Any] = {}
-    try:
-        kw: dict[str, Any] = {}
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-            kw["device_id"] = torch.device("cuda", rank)  # eager NCCL init: new_group builds communicators
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60), **kw)
-        ctx = Ctx(rank, world, backend)
-        for name in names:
-            out[name] = SCENARIOS[name](ctx)
-    except BaseException:
-        out["crash"] = traceback.format_exc()
-    results.put((rank, out))
-    results.close()
-    results.join_thread()
-    os._exit(0)  # a timed-out collective may still be pending: skip the process group's teardown
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _scenarios(rank: int, world: int, backend: str, names: Sequence[str]) -> dict[str, Any]:
+    ctx = Ctx(rank, world, backend)
+    return {name: SCENARIOS[name](ctx) for name in names}
 
 
 def run_group(world: int, backend: str, names: Sequence[str], timeout_s: float = 150.0) -> dict[int, dict[str, Any]]:
     """Start ``world`` ranks running the named scenarios; return each rank's results. Gloo ranks are
     forked from the forkserver (tests/conftest.py); NCCL ranks are spawned, each a fresh interpreter
-    that starts CUDA."""
-    ctx = mp.get_context("forkserver" if backend == "gloo" else "spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, world, port, backend, results, names)) for r in range(world)]
-    for p in procs:
-        p.start()
-    got: dict[int, dict[str, Any]] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(got) < world:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                rank, out = results.get(timeout=min(left, 5.0))
-            except queue.Empty:
-                if all(not p.is_alive() for p in procs):
-                    break
-                continue
-            got[rank] = out
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
-    missing = sorted(set(range(world)) - set(got))
-    assert not missing, f"ranks {missing} reported nothing within {timeout_s}s"
-    crashes = {r: o["crash"] for r, o in got.items() if "crash" in o}
-    assert not crashes, "\n".join(f"rank {r}:\n{tb}" for r, tb in crashes.items())
-    return got
+    that starts CUDA (:func:`dataplane.testing.ranks.run_ranks`)."""
+    got = run_ranks(_scenarios, world, backend, names, backend=backend, timeout_s=timeout_s)  # type: ignore[arg-type]
+    return dict(enumerate(got))
 
 
 # -- assertions shared with the GPU tests ----------------------------------------------------------
