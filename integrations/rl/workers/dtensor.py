@@ -123,6 +123,12 @@ class DTensorRLWorkerMixin(SplitTrainStepMixin, DeviceMeshReplicaMixin, DataPlan
     train_micro_batch_size: int | None = None
 
     # -- the host's model ------------------------------------------------------------------------
+    def compute_device(self) -> torch.device:
+        """Where fetched batches go for the forward: the mesh's device type (the current CUDA device)."""
+        if self.device_mesh.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.device_mesh.device_type)
+
     def policy_logits(self, input_ids: Tensor) -> Tensor:
         """``input_ids [B, T] -> logits [B, T, V]`` (next-token logits at each position)."""
         return _plain(self.model(input_ids))
@@ -210,7 +216,7 @@ class DTensorRLWorkerMixin(SplitTrainStepMixin, DeviceMeshReplicaMixin, DataPlan
         error: BaseException | None = None
         data: Any = None
         try:
-            data = self.fetch(meta, select_fields=fields)
+            data = self.fetch(meta, select_fields=fields, device=self.compute_device())
         except Exception as e:
             error = e
         group = self.train_world_group()

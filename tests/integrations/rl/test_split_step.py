@@ -104,24 +104,26 @@ def compare(a: dict[str, Any], b: dict[str, Any], *, params_only: bool = False) 
     return {"bitwise": all(torch.equal(x, y) for x, y in pairs), "max_rel": rel, "n": len(pairs)}
 
 
-def fresh(tp: int, optimizer: str = "adamw") -> TinyDTensorWorker:
-    return TinyDTensorWorker(CONFIG, tp=tp, optimizer=optimizer, lr=1e-2, max_grad_norm=1.0, seed=0)  # type: ignore[arg-type]
+def fresh(tp: int, optimizer: str = "adamw", device: str = "cpu") -> TinyDTensorWorker:
+    return TinyDTensorWorker(CONFIG, tp=tp, optimizer=optimizer, lr=1e-2, max_grad_norm=1.0, seed=0, device=device)  # type: ignore[arg-type]
 
 
-def equivalence(rank: int, world: int, tp: int, cases: list[tuple[str, str, str]]) -> dict[str, Any]:
+def equivalence(
+    rank: int, world: int, tp: int, cases: list[tuple[str, str, str]], device: str = "cpu"
+) -> dict[str, Any]:
     dp = rank // tp
     out: dict[str, Any] = {}
     for case, loss_type, opt in cases:
         loss_fn = ClippedPolicyLoss(loss_type=loss_type)  # type: ignore[arg-type]
         n = count(case, loss_type)
-        mbs = microbatches(case, dp)
-        w = fresh(tp, opt)
+        mbs = [mb.to(device) for mb in microbatches(case, dp)]
+        w = fresh(tp, opt, device)
         metrics = split(w, mbs, loss_fn)
         got = w.state()
-        ref = fresh(tp, opt)
+        ref = fresh(tp, opt, device)
         one_shot(ref, mbs, loss_fn, n)
         by_mb = ref.state()
-        whole = fresh(tp, opt)
+        whole = fresh(tp, opt, device)
         real = [mb for mb in mbs if mb.batch_size[0]]
         one_shot(whole, [torch.cat(real)] if real else [mbs[0]], loss_fn, n)
         out[f"{case}/{loss_type}/{opt}"] = {
@@ -129,7 +131,7 @@ def equivalence(rank: int, world: int, tp: int, cases: list[tuple[str, str, str]
             "num_elements": metrics["num_elements"],
             "num_microbatches": metrics["num_microbatches"],
             "version": got["version"],
-            "changed": compare(got, fresh(tp).state(), params_only=True)["max_rel"] > 0,
+            "changed": compare(got, fresh(tp, device=device).state(), params_only=True)["max_rel"] > 0,
             "microbatched": compare(got, by_mb),
             "whole": compare(got, whole.state()),
         }
