@@ -237,10 +237,13 @@ class SplitTrainStepMixin:
     ``weight_version`` counts finished steps; it never moves on abort.
 
     Failure contract: a second ``begin`` raises :class:`TrainStepError` and leaves the open step as
-    it was; ``abort`` is idempotent; an exception in the forward or the loss of one microbatch makes
-    every rank of the training group raise in that microbatch (the others :class:`PeerFailure`)
-    before any backward, and the step stays open for ``abort``. Parameters and optimizer state only
-    change inside ``finish``, so an abort at any point before it restores them exactly.
+    it was; ``abort`` is idempotent; an exception in one rank's loss makes every rank of the training
+    group raise in that microbatch (the others :class:`PeerFailure`) before any backward, and the
+    step stays open for ``abort``. Parameters and optimizer state change only at the end of
+    ``finish``, after its last collective, so an abort at any earlier point restores them exactly.
+    An exception inside one rank's forward or backward cannot be agreed on this way (FSDP's own
+    collectives are inside them): its peers wait until the process group's timeout.
+    ``weight_version`` moves once per finished step, also when ``N == 0`` left the weights as they were.
     """
 
     model: nn.Module
@@ -321,16 +324,17 @@ class SplitTrainStepMixin:
                 totals = totals.to(group_device(group))
                 dist.all_reduce(totals, group=group)
             n, microbatches = (float(x) for x in totals.cpu())
+            metrics = aggregate_metrics(step.metrics, n, group=group)
             params = [p for p in self.model.parameters() if p.grad is not None]
             if n > 0:
                 _scale_grads(params, 1.0 / n)
             norm = clip_grad_norm_(params, self.max_grad_norm)
             lr = float(self.optimizer.param_groups[0]["lr"])
+            # Every collective of the step is behind us: from here on nothing waits for a peer.
             if n > 0:
                 self.optimizer.step()
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step()
-            metrics = aggregate_metrics(step.metrics, n, group=group)
         except BaseException:
             self.abort_train_step()
             raise
