@@ -107,6 +107,12 @@ def _kind(name: str) -> Literal["min", "max", "count", "lr", "sum"]:
     return "sum"
 
 
+def _neutral(name: str) -> float:
+    """The value of a metric that changes nothing when aggregated (a dummy microbatch's)."""
+    kind = _kind(name)
+    return math.inf if kind == "min" else -math.inf if kind == "max" else 0.0
+
+
 def aggregate_metrics(
     per_microbatch: Iterable[Mapping[str, float]], n: float, *, group: Any | None = None
 ) -> dict[str, float]:
@@ -130,6 +136,7 @@ def aggregate_metrics(
             elif kind == "max":
                 maxs[k] = max(maxs.get(k, -math.inf), float(v))
             elif kind == "lr":
+                # the last microbatch's learning rate (the step's; the optimizer has not stepped yet)
                 lr = float(v)
             else:
                 sums[k] = sums.get(k, 0.0) + float(v)
@@ -284,10 +291,13 @@ class SplitTrainStepMixin:
         self.model.train()
         self._train_step = _Step(loss_fn=loss_fn, count=torch.zeros((), dtype=torch.float64))
 
-    def train_microbatch(self, batch: Any) -> dict[str, float]:
-        """Forward and backward one microbatch (an empty one runs as a zero-loss dummy).
+    def train_microbatch(self, batch: Any, *, dummy: bool = False) -> dict[str, float]:
+        """Forward and backward one microbatch.
 
-        Every rank of the training group must call it the same number of times per step.
+        Every rank of the training group must call it the same number of times per step. A rank with
+        fewer real microbatches than its peers runs dummies (``dummy=True``: any batch the model can
+        forward, e.g. one row of padding; its loss is multiplied by 0, it counts nothing and its
+        metrics are neutral), so it still joins every collective of every forward and backward.
 
         Returns:
             this microbatch's local metrics, unnormalised (``loss`` is its sum).
@@ -300,11 +310,14 @@ class SplitTrainStepMixin:
         except Exception as e:
             error = e
         self._agree(error)
-        out.loss.backward()
-        count = out.count.detach().to(device="cpu", dtype=torch.float64)
-        step.count += count
-        step.microbatches += 1
         metrics = {"loss": float(out.loss.detach()), **{k: float(v) for k, v in out.metrics.items()}}
+        if dummy:
+            (out.loss * 0.0).backward()
+            metrics = {k: _neutral(k) for k in metrics}
+        else:
+            out.loss.backward()
+            step.count += out.count.detach().to(device="cpu", dtype=torch.float64)
+        step.microbatches += 1
         step.metrics.append(metrics)
         return metrics
 

@@ -26,7 +26,7 @@ both call ``self.model(input_ids)``, override them for other signatures (a Huggi
 tokens ``0..t``.
 
 Microbatches follow the plan in ``meta.extra_info["microbatches"]`` and are never re-packed; every
-DP rank runs the same number of forwards (the shortest pads with empty, zero-loss dummies), so no
+DP rank runs the same number of forwards (the shortest pads with one-row, zero-loss dummies), so no
 rank waits in a collective its peers never reach. Context parallelism is the host's: CP ranks are
 treated as replicas of their DP rank (same rows; the leader writes), and the host's forward must
 shard and gather the sequence itself.
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 from torch import Tensor, nn
 
 from dataplane import InvalidArgument, KVBatchMeta
@@ -237,11 +237,12 @@ class DTensorRLWorkerMixin(SplitTrainStepMixin, DeviceMeshReplicaMixin, DataPlan
     def planned_microbatches(
         self, data: TensorDictBase, meta: KVBatchMeta, micro_batch_size: int | None
     ) -> Iterator[tuple[list[int], TensorDictBase]]:
-        """``(row positions, microbatch)`` per the meta's plan, then empty dummies up to the DP maximum.
+        """``(row positions, microbatch)`` per the meta's plan, then dummies (no positions) up to the DP maximum.
 
         Without a plan, consecutive chunks of ``micro_batch_size`` rows (or the whole shard). The
         count is agreed over DP (one small all-reduce), so a rank with fewer microbatches runs
-        empty ones and every rank joins every collective of every forward and backward.
+        dummies (:meth:`dummy_microbatch`, empty positions) and every rank joins every collective of
+        every forward and backward.
         """
         plan = microbatch_plan(meta)
         if plan is None:
@@ -258,11 +259,21 @@ class DTensorRLWorkerMixin(SplitTrainStepMixin, DeviceMeshReplicaMixin, DataPlan
         plan = plan + [[] for _ in range(int(count.item()) - len(plan))]
         for positions in plan:
             if not positions:
-                yield positions, data[0:0]
+                yield positions, self.dummy_microbatch(data)
             elif positions == list(range(positions[0], positions[0] + len(positions))):
                 yield positions, data[positions[0] : positions[0] + len(positions)]
             else:
                 yield positions, data[torch.tensor(positions, dtype=torch.int64)]
+
+    def dummy_microbatch(self, data: TensorDictBase) -> TensorDictBase:
+        """One row of zeros shaped like ``data``'s tensor fields (``loss_mask`` 0, so it trains nothing).
+
+        What a rank runs in place of a planned microbatch it has no rows for. One row rather than
+        none: a zero-row batch trips DTensor's sharding propagation under tensor parallelism.
+        """
+        fields = {k: v for k, v in data.items() if isinstance(v, Tensor)}
+        rows = {k: torch.zeros((1, *v.shape[1:]), dtype=v.dtype, device=v.device) for k, v in fields.items()}
+        return TensorDict(rows, batch_size=[1], device=data.device)
 
     def _forward_presharded(self, meta: KVBatchMeta, out_field: str, forward: Any) -> KVBatchMeta | None:
         data = self.fetch_agreed(meta, [INPUT_IDS])

@@ -45,7 +45,9 @@ def rollout() -> tuple[dict[str, Any], list[int]]:
     return {"input_ids": ids, "loss_mask": mask, "advantages": torch.randn(n, generator=g)}, lengths
 
 
-def _rank(rank: int, world: int, url: str, shards: list[KVBatchMeta], bad: KVBatchMeta) -> dict[str, Any]:
+def _rank(
+    rank: int, world: int, url: str, shards: list[KVBatchMeta], unplanned: list[KVBatchMeta], bad: KVBatchMeta
+) -> dict[str, Any]:
     events: list[CallEvent] = []
     client = ObservedClient(dataplane.connect(url), events.append)
     out: dict[str, Any] = {}
@@ -59,7 +61,10 @@ def _rank(rank: int, world: int, url: str, shards: list[KVBatchMeta], bad: KVBat
         out["leader"] = policy.is_writeback_leader()
         written = policy.get_logprobs_presharded(shard)
         out["logprob_fields"] = None if written is None else list(written.fields)
-        critic.get_values_presharded(shard)
+        # no plan in these metas: 2 rows per forward gives DP rank 0 four forwards and rank 1 three,
+        # so rank 1 runs an empty one to stay in step with its peer's FSDP gathers
+        critic.forward_micro_batch_size = 2
+        critic.get_values_presharded(unplanned[dp])
         metrics = policy.train_presharded(shard, ClippedPolicyLoss())
         out["train"] = {k: metrics[k] for k in ("num_elements", "ratio_min", "ratio_max", "clip_fraction")}
         out["version"] = policy.weight_version
@@ -98,7 +103,8 @@ def test_logprobs_and_values_presharded_write_each_key_once_token_aligned() -> N
             keys=[*shards[0].keys, "no-such-row"],
             sequence_lengths=[*shards[0].sequence_lengths, 4],
         )
-        results = run_ranks(_rank, 4, owner.url, shards, bad, timeout_s=240)
+        unplanned = [meta.subset(range(7)), meta.subset(range(7, meta.size))]
+        results = run_ranks(_rank, 4, owner.url, shards, unplanned, bad, timeout_s=240)
 
         n = meta.size
         puts = [p for r in results for p in r["puts"]]

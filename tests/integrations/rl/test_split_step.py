@@ -75,11 +75,15 @@ def microbatches(case: str, dp_rank: int, seed: int = 0) -> list[TensorDict]:
 
 
 def one_shot(w: TinyDTensorWorker, mbs: list[TensorDict], loss_fn: Any, n: int) -> None:
+    """The reference: every loss divided by N up front; an empty microbatch is the same one-row dummy
+    the worker runs, with its loss multiplied by 0."""
     w.optimizer.zero_grad(set_to_none=True)
     w.model.train()
     for mb in mbs:
+        dummy = not mb.batch_size[0]
+        mb = w.dummy_microbatch(mb) if dummy else mb
         out = loss_fn(w.loss_inputs(mb, loss_fn), mb)
-        (out.loss / n).backward()
+        (out.loss * (0.0 if dummy else 1.0) / n).backward()
     clip_grad_norm_(w.model.parameters(), w.max_grad_norm)
     w.optimizer.step()
     w.optimizer.zero_grad(set_to_none=True)
@@ -88,7 +92,10 @@ def one_shot(w: TinyDTensorWorker, mbs: list[TensorDict], loss_fn: Any, n: int) 
 def split(w: TinyDTensorWorker, mbs: list[TensorDict], loss_fn: Any) -> dict[str, float]:
     w.begin_train_step(loss_fn)
     for mb in mbs:
-        w.train_microbatch(mb)
+        if mb.batch_size[0]:
+            w.train_microbatch(mb)
+        else:
+            w.train_microbatch(w.dummy_microbatch(mb), dummy=True)
     return w.finish_train_step()
 
 
