@@ -10,7 +10,10 @@ Facts this module is built on (measured with mooncake-transfer-engine-non-cuda 0
   ``--enable_http_metadata_server=true`` it also binds a third (HTTP metadata) port. We reserve all
   three while holding the sockets, so they are distinct, and always pass them explicitly.
 * On an RPC-port clash the master reports ``serving`` on ``/health`` and then exits rc=1 ~2 s later
-  without any error message. So readiness = ``/health`` ok AND the process still alive ~2.5 s later.
+  without any error message. A master that starts cleanly listens on its RPC port before
+  ``/health`` is ok (~0.1 s after its start); one that clashes never does. So readiness =
+  ``/health`` ok AND the master itself listening on its RPC port (read from ``/proc``; where that
+  cannot be told, the process still alive ~2.5 s later).
 * SIGTERM gives a graceful exit (rc 0).
 """
 
@@ -28,6 +31,7 @@ from pathlib import Path
 from dataplane._host.processes import (
     ProcHandle,
     http_health,
+    listens_on,
     reserve_ports,
     spawn_logged,
     tcp_connectable,
@@ -180,13 +184,16 @@ def _try_start_master(
             return h, f"/health not ok within {startup_timeout_s:.0f}s"
         time.sleep(0.1)
     t_ok = time.monotonic()
-    # An RPC-port clash only shows ~2 s after "serving": the master exits rc=1 with no message.
+    # An RPC-port clash only shows ~2 s after "serving": the master exits rc=1 with no message. A
+    # master that listens on its RPC port itself has bound it, so no clash can follow: ready now.
     while time.monotonic() - t_ok < settle_s:
         if proc.poll() is not None:
             return h, (
                 f"exited rc={proc.returncode} {time.monotonic() - t_ok:.1f}s after /health was ok "
                 f"(port clash on rpc {rpc}?)"
             )
+        if listens_on(proc.pid, rpc):
+            break
         time.sleep(0.1)
     if not http_health(host, metrics, 2.0):
         return h, "/health no longer ok after settling"
@@ -207,7 +214,8 @@ def start_master(
 ) -> MasterHandle:
     """Start a ``mooncake_master`` on three fresh ports of ``host`` and wait until it is ready.
 
-    Ready means ``/health`` is ok and the process is still alive ~2.5 s later. On failure the
+    Ready means ``/health`` is ok and the master listens on its RPC port (where ``/proc`` cannot
+    tell, that it is still alive ~2.5 s later: a clashing RPC port shows no sooner). On failure the
     attempt is torn down and retried on new ports, up to ``attempts`` times (``startup_timeout_s`` is
     per attempt); then ``RuntimeError`` carries the master's last log lines. The master's
     stdout/stderr go to a temp file (``handle.log_path``), removed by ``stop()``.

@@ -43,6 +43,7 @@ from typing import Any, ClassVar
 __all__ = [
     "ProcHandle",
     "http_health",
+    "listens_on",
     "pid_alive",
     "reserve_ports",
     "spawn_logged",
@@ -122,6 +123,43 @@ def tcp_connectable(host: str, port: int, timeout_s: float) -> bool:
             return True
     except OSError:
         return False
+
+
+def listens_on(pid: int, port: int) -> bool | None:
+    """Whether process ``pid`` holds a listening TCP socket (IPv4 or IPv6, any address) on ``port``.
+
+    Read from ``/proc`` (the socket inodes of ``/proc/net/tcp*`` in state LISTEN, and those among
+    ``pid``'s open files); None where that cannot be told (no ``/proc``: not Linux).
+    """
+    listening: set[int] = set()
+    readable = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        readable = True
+        for line in lines:
+            cols = line.split()
+            if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                listening.add(int(cols[9]))
+    if not readable:
+        return None
+    if not listening:
+        return False
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:  # exited meanwhile
+        return False
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:[") and int(target[8:-1]) in listening:
+            return True
+    return False
 
 
 # ---------------------------------------------------------------------------------------------

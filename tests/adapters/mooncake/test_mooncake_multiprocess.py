@@ -210,7 +210,7 @@ def test_killed_master_gives_typed_errors_in_bounded_time(shm: bool) -> None:
     """With the master dead, every call raises BackendUnavailable within about its ``timeout_s``
     (a Mooncake call already under way may overrun it by one RPC's own timeout), and close still
     stops what the client started."""
-    c = dataplane.connect(f"mooncake://local?segment_bytes=64MiB&timeout_s=8&shm={shm}")
+    c = dataplane.connect(f"mooncake://local?segment_bytes=64MiB&timeout_s=4&shm={shm}")  # a get waits ~4 s
     pids = c.store.deployment.pids  # type: ignore[attr-defined]
     try:
         keys, fields = _batch(6)

@@ -22,7 +22,7 @@ from dataplane.errors import BackendUnavailable, CapacityExceeded, DataPlaneTime
 
 pytestmark = [pytest.mark.tq, pytest.mark.slow]
 
-TIMEOUT_S = 6.0
+TIMEOUT_S = 4.0  # TQ then gives up on a dead storage unit after 3 s (2 tries of 1 s + a 1 s probe)
 SLACK_S = 3.0  # scheduling noise on a loaded 2-core box
 
 
