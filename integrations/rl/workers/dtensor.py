@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from dataplane import InvalidArgument, KVBatchMeta
 from dataplane.worker import DataPlaneWorkerMixin, DeviceMeshReplicaMixin, microbatch_plan
-from integrations.rl.conventions import INPUT_IDS, PREV_LOGPROBS, VALUES, shift_to_tokens, token_logprobs
+from integrations.rl.conventions import INPUT_IDS, LOSS_MASK, PREV_LOGPROBS, VALUES, shift_to_tokens, token_logprobs
 from integrations.rl.split_step import SplitTrainStepMixin, group_device
 
 __all__ = ["DTensorRLWorkerMixin", "full_parameters", "use_sum_reduction"]
@@ -192,9 +192,8 @@ class DTensorRLWorkerMixin(SplitTrainStepMixin, DeviceMeshReplicaMixin, DataPlan
         step = self._require_open("train_microbatches_presharded")
         fields = list(dict.fromkeys((INPUT_IDS, *step.loss_fn.fields)))
         data = self.fetch_agreed(meta, fields)
-        return [
-            self.train_microbatch(mb) for _, mb in self.planned_microbatches(data, meta, self.train_micro_batch_size)
-        ]
+        planned = self.planned_microbatches(data, meta, self.train_micro_batch_size)
+        return [self.train_microbatch(mb, dummy=not positions) for positions, mb in planned]
 
     def get_logprobs_presharded(self, meta: KVBatchMeta, out_field: str = PREV_LOGPROBS) -> KVBatchMeta | None:
         """Write this shard's token-aligned logprobs to ``out_field`` (from the replica leader only).
@@ -216,7 +215,10 @@ class DTensorRLWorkerMixin(SplitTrainStepMixin, DeviceMeshReplicaMixin, DataPlan
         error: BaseException | None = None
         data: Any = None
         try:
-            data = self.fetch(meta, select_fields=fields, device=self.compute_device())
+            if meta.size:
+                data = self.fetch(meta, select_fields=fields, device=self.compute_device())
+            else:  # fewer rows than DP ranks: nothing to read, but this rank still runs its peers' forwards
+                data = _empty_batch(meta, fields, self.compute_device())
         except Exception as e:
             error = e
         group = self.train_world_group()
@@ -271,8 +273,13 @@ class DTensorRLWorkerMixin(SplitTrainStepMixin, DeviceMeshReplicaMixin, DataPlan
         What a rank runs in place of a planned microbatch it has no rows for. One row rather than
         none: a zero-row batch trips DTensor's sharding propagation under tensor parallelism.
         """
-        fields = {k: v for k, v in data.items() if isinstance(v, Tensor)}
-        rows = {k: torch.zeros((1, *v.shape[1:]), dtype=v.dtype, device=v.device) for k, v in fields.items()}
+        rows = {}
+        for k, v in data.items():
+            if isinstance(v, Tensor):
+                inner = list(v.shape[1:])
+                if inner:
+                    inner[0] = max(inner[0], 1)  # a rank with no rows and no stamped pad length has width 0
+                rows[k] = torch.zeros((1, *inner), dtype=v.dtype, device=v.device)
         return TensorDict(rows, batch_size=[1], device=data.device)
 
     def _forward_presharded(self, meta: KVBatchMeta, out_field: str, forward: Any) -> KVBatchMeta | None:
@@ -290,6 +297,15 @@ class DTensorRLWorkerMixin(SplitTrainStepMixin, DeviceMeshReplicaMixin, DataPlan
 
 
 _NO_RANK = 2**62
+_INTEGER_FIELDS = (INPUT_IDS, LOSS_MASK)
+
+
+def _empty_batch(meta: KVBatchMeta, fields: list[str], device: torch.device) -> TensorDict:
+    """A zero-row batch of ``fields`` for an empty shard: ids and masks int64, the rest float32,
+    ``meta.extra_info["pad_to_length"]`` wide (the width its peers forward)."""
+    width = int(meta.extra_info.get("pad_to_length") or 1)
+    rows = {f: torch.zeros(0, width, dtype=torch.int64 if f in _INTEGER_FIELDS else torch.float32) for f in fields}
+    return TensorDict(rows, batch_size=[0], device=device)
 
 
 def _rebuild_error(name: str, message: str) -> Exception:

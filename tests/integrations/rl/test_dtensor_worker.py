@@ -46,7 +46,13 @@ def rollout() -> tuple[dict[str, Any], list[int]]:
 
 
 def _rank(
-    rank: int, world: int, url: str, shards: list[KVBatchMeta], unplanned: list[KVBatchMeta], bad: KVBatchMeta
+    rank: int,
+    world: int,
+    url: str,
+    shards: list[KVBatchMeta],
+    unplanned: list[KVBatchMeta],
+    one_row: list[KVBatchMeta],
+    bad: KVBatchMeta,
 ) -> dict[str, Any]:
     events: list[CallEvent] = []
     client = ObservedClient(dataplane.connect(url), events.append)
@@ -65,6 +71,8 @@ def _rank(
         # so rank 1 runs an empty one to stay in step with its peer's FSDP gathers
         critic.forward_micro_batch_size = 2
         critic.get_values_presharded(unplanned[dp])
+        # one row for two DP ranks: rank 1's shard is empty and it runs a dummy forward beside rank 0
+        critic.get_values_presharded(one_row[dp], out_field="values_one")
         metrics = policy.train_presharded(shard, ClippedPolicyLoss())
         out["train"] = {k: metrics[k] for k in ("num_elements", "ratio_min", "ratio_max", "clip_fraction")}
         out["version"] = policy.weight_version
@@ -104,18 +112,20 @@ def test_logprobs_and_values_presharded_write_each_key_once_token_aligned() -> N
             sequence_lengths=[*shards[0].sequence_lengths, 4],
         )
         unplanned = [meta.subset(range(7)), meta.subset(range(7, meta.size))]
-        results = run_ranks(_rank, 4, owner.url, shards, unplanned, bad, timeout_s=240)
+        one_row = shard_meta_for_dp(meta.subset([3]), 2)
+        assert [s.size for s in one_row] == [1, 0]
+        results = run_ranks(_rank, 4, owner.url, shards, unplanned, one_row, bad, timeout_s=240)
 
         n = meta.size
         puts = [p for r in results for p in r["puts"]]
-        assert sum(k for _, k in puts) == 2 * n, (
-            "logprobs and values: every key written once each, train writes nothing"
-        )
+        assert sum(k for _, k in puts) == 2 * n + 1, "logprobs, values, one row: every key once; train writes nothing"
         for rank, r in enumerate(results):
             assert r["leader"] == (rank % TP == 0)
             assert (r["logprob_fields"] is not None) == r["leader"]
             assert (len(r["puts"]) > 0) == r["leader"], "only leaders write"
         got = read_columns(owner, meta, ["input_ids", "prev_logprobs", "values", "again"], layout="jagged")
+        one = read_columns(owner, one_row[0], ["values_one"], layout="jagged")["values_one"][0]
+        torch.testing.assert_close(one, got["values"][3], rtol=1e-5, atol=1e-6)  # alone vs in a batch
         # written after the step, so from other weights: same rows, other values
         assert torch.equal(got["again"].offsets(), got["prev_logprobs"].offsets())
         assert not torch.equal(got["again"].values(), got["prev_logprobs"].values())
