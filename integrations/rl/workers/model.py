@@ -81,6 +81,21 @@ class _Attention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o(y.transpose(1, 2).reshape(b, t, q.shape[1] * self.head_dim))  # type: ignore[no-any-return]
 
+    def step(self, x: Tensor, past: tuple[Tensor, Tensor] | None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """Attend ``x`` (new positions) to ``past`` keys/values and itself; return the output and the cache."""
+        b, t, _ = x.shape
+        q, k, v = (
+            y.view(b, t, y.shape[-1] // self.head_dim, self.head_dim).transpose(1, 2)
+            for y in (p(x) for p in (self.q, self.k, self.v))
+        )
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        # New positions see every cached one and, among themselves, the earlier ones.
+        s = k.shape[2]
+        mask = torch.ones(t, s, dtype=torch.bool, device=x.device).tril(diagonal=s - t)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o(y.transpose(1, 2).reshape(b, t, q.shape[1] * self.head_dim)), (k, v)
+
 
 class _Block(nn.Module):
     def __init__(self, cfg: TinyConfig) -> None:
@@ -94,6 +109,11 @@ class _Block(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.norm1(x))
         return x + self.down(F.gelu(self.up(self.norm2(x))))  # type: ignore[no-any-return]
+
+    def step(self, x: Tensor, past: tuple[Tensor, Tensor] | None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        a, cache = self.attn.step(self.norm1(x), past)
+        x = x + a
+        return x + self.down(F.gelu(self.up(self.norm2(x)))), cache
 
 
 class TinyCausalLM(nn.Module):
@@ -121,6 +141,22 @@ class TinyCausalLM(nn.Module):
             x = block(x)
         out = self.head(self.norm(x))
         return out.squeeze(-1) if self.cfg.head == "value" else out  # type: ignore[no-any-return]
+
+    def step(self, input_ids: Tensor, cache: list[tuple[Tensor, Tensor]] | None = None) -> tuple[Tensor, list[Any]]:
+        """Incremental forward for generation (an unsharded model): ``input_ids`` are the positions after
+        the ``cache``'s; returns their outputs (as :meth:`forward` would) and the extended cache."""
+        start = 0 if cache is None else int(cache[0][0].shape[2])
+        t = int(input_ids.shape[1])
+        if start + t > self.cfg.max_len:
+            raise InvalidArgument(f"{start + t} positions exceed TinyConfig.max_len={self.cfg.max_len}; raise max_len")
+        x = self.embed(input_ids) + self.pos(torch.arange(start, start + t, device=input_ids.device))
+        new: list[Any] = []
+        for i, block in enumerate(self.blocks):
+            assert isinstance(block, _Block)
+            x, kv = block.step(x, None if cache is None else cache[i])
+            new.append(kv)
+        out = self.head(self.norm(x))
+        return (out.squeeze(-1) if self.cfg.head == "value" else out), new
 
 
 def tp_plan(model: TinyCausalLM) -> dict[str, Any]:

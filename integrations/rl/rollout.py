@@ -1,0 +1,142 @@
+"""Sampling from the tiny model and a toy task with a verifiable reward (groundwork for the GRPO flow).
+
+:func:`generate` samples responses with a KV cache and returns token-aligned ``gen_logprobs`` (the
+same numbers a full forward gives, so a trainer's first ratio is 1). :class:`CountingTask` is a
+task the tiny model learns in a few dozen steps: keep counting from where the prompt stops.
+
+>>> import torch
+>>> from integrations.rl.workers.model import TinyCausalLM, TinyConfig
+>>> task = CountingTask(vocab_size=16, prompt_len=3, target_len=4)
+>>> g = torch.Generator().manual_seed(0)
+>>> prompts = task.prompts(2, generator=g)
+>>> out = generate(TinyCausalLM(TinyConfig(vocab_size=16)), prompts, 6, eos_id=task.eos_id, generator=g)
+>>> out.tokens.shape, bool((out.lengths <= 9).all())
+(torch.Size([2, 9]), True)
+>>> task.reward([5, 6, 7], [8, 9, 10, 11])
+1.0
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dataplane import InvalidArgument
+from integrations.rl.workers.model import TinyCausalLM
+
+__all__ = ["CountingTask", "Generation", "generate"]
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """What :func:`generate` returns; rows are right-padded with 0 after their length.
+
+    Attributes:
+        tokens: ``[B, P + N]`` prompt and response tokens.
+        logprobs: ``[B, P + N]`` token-aligned logprobs of the sampled tokens (0 on the prompt and padding).
+        lengths: ``[B]`` row lengths (prompt + response up to and including EOS).
+        prompt_len: ``P``.
+    """
+
+    tokens: Tensor
+    logprobs: Tensor
+    lengths: Tensor
+    prompt_len: int
+
+    def loss_mask(self) -> Tensor:
+        """``[B, P + N]`` int64: 1 on generated tokens within each row's length."""
+        pos = torch.arange(self.tokens.shape[1], device=self.tokens.device)
+        return ((pos >= self.prompt_len) & (pos < self.lengths[:, None])).long()
+
+
+@torch.no_grad()
+def generate(
+    model: TinyCausalLM,
+    prompts: Tensor,
+    max_new_tokens: int,
+    *,
+    eos_id: int | None = None,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> Generation:
+    """Sample ``max_new_tokens`` after each prompt (all prompts ``P`` long), stopping rows at ``eos_id``.
+
+    Sampling is from ``softmax(logits / temperature)`` with ``generator`` (same seed, same weights:
+    same tokens). The returned logprobs are those of the sampled tokens under that distribution.
+    """
+    if prompts.dim() != 2 or prompts.shape[1] < 1 or prompts.dtype != torch.int64:
+        raise InvalidArgument(f"prompts must be int64 [B, P] with P >= 1, got {prompts.dtype} {tuple(prompts.shape)}")
+    if max_new_tokens < 1 or not temperature > 0:
+        raise InvalidArgument(f"need max_new_tokens >= 1 and temperature > 0, got {max_new_tokens}, {temperature}")
+    was_training = model.training
+    model.eval()
+    try:
+        b, p = prompts.shape
+        logits, cache = model.step(prompts)
+        tokens, logprobs = [prompts], [torch.zeros(b, p)]
+        done = torch.zeros(b, dtype=torch.bool)
+        lengths = torch.full((b,), p + max_new_tokens, dtype=torch.int64)
+        for i in range(max_new_tokens):
+            lp = torch.log_softmax(logits[:, -1].float() / temperature, dim=-1)
+            nxt = torch.multinomial(lp.exp(), 1, generator=generator).squeeze(1)
+            nxt = torch.where(done, torch.zeros_like(nxt), nxt)
+            tokens.append(nxt[:, None])
+            logprobs.append(torch.where(done, 0.0, lp.gather(1, nxt[:, None]).squeeze(1))[:, None])
+            if eos_id is not None:
+                ended = ~done & (nxt == eos_id)
+                lengths[ended] = p + i + 1
+                done |= ended
+            if bool(done.all()) or i == max_new_tokens - 1:
+                break
+            logits, cache = model.step(nxt[:, None], cache)
+        out = torch.cat(tokens, dim=1)
+        lps = torch.cat(logprobs, dim=1)
+        width = out.shape[1]
+        if width < p + max_new_tokens:  # every row ended early: pad to the full width
+            pad = p + max_new_tokens - width
+            out = torch.cat([out, out.new_zeros(b, pad)], dim=1)
+            lps = torch.cat([lps, lps.new_zeros(b, pad)], dim=1)
+        return Generation(tokens=out, logprobs=lps, lengths=lengths, prompt_len=p)
+    finally:
+        model.train(was_training)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CountingTask:
+    """Continue counting: the prompt is ``prompt_len`` consecutive tokens (cycling through
+    ``1..vocab_size-1``); the reward is the fraction of the first ``target_len`` response tokens that
+    keep counting, up to the first miss or EOS (token 0), so 1.0 is a perfect continuation.
+    """
+
+    vocab_size: int = 16
+    prompt_len: int = 4
+    target_len: int = 4
+    eos_id: int = 0
+
+    def _next(self, tok: int) -> int:
+        return tok % (self.vocab_size - 1) + 1
+
+    def prompts(self, n: int, *, generator: torch.Generator | None = None) -> Tensor:
+        """``[n, prompt_len]`` int64 prompts with random starts."""
+        starts = torch.randint(1, self.vocab_size, (n,), generator=generator)
+        steps = torch.arange(self.prompt_len)
+        return ((starts[:, None] - 1 + steps) % (self.vocab_size - 1) + 1).long()
+
+    def reward(self, prompt: list[int], response: list[int]) -> float:
+        """Fraction of the first ``target_len`` response tokens that continue the count."""
+        expect, good = prompt[-1], 0
+        for tok in response[: self.target_len]:
+            expect = self._next(expect)
+            if tok != expect:
+                break
+            good += 1
+        return good / self.target_len
+
+    def rewards(self, gen: Generation) -> Tensor:
+        """``[B]`` float32 rewards of a :class:`Generation` (responses cut at each row's length)."""
+        out = []
+        for row, length in zip(gen.tokens.tolist(), gen.lengths.tolist(), strict=True):
+            out.append(self.reward(row[: gen.prompt_len], row[gen.prompt_len : length]))
+        return torch.tensor(out, dtype=torch.float32)
