@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import socket
 import time
@@ -69,7 +70,9 @@ def _rank_main(
         out: tuple[str, Any] = ("ok", target(rank, world, *args))
     except BaseException:
         out = ("error", traceback.format_exc())
-    results.put((rank, out))
+    # Pickled here, by value: torch's queue would pass tensors as shared-memory handles, which die with
+    # this process (it exits at once below).
+    results.put((rank, pickle.dumps(out)))
     results.close()
     results.join_thread()
     os._exit(0)  # a failed collective may still be pending: skip the process group's teardown
@@ -127,12 +130,12 @@ def run_ranks(
             if left <= 0:
                 break
             try:
-                rank, out = results.get(timeout=min(left, 1.0))
+                rank, payload = results.get(timeout=min(left, 1.0))
             except queue.Empty:
                 if all(not p.is_alive() for p in procs) and results.empty():
                     break
                 continue
-            got[rank] = out
+            got[rank] = pickle.loads(payload)
     finally:
         for p in procs:
             p.join(timeout=10)

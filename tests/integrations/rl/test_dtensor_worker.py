@@ -22,6 +22,7 @@ from dataplane.preshard import shard_meta_for_dp
 from dataplane.testing.ranks import run_ranks
 from integrations.rl.conventions import token_logprobs
 from integrations.rl.losses import ClippedPolicyLoss
+from integrations.rl.split_step import clip_grad_norm_
 from integrations.rl.workers.model import TinyCausalLM, TinyConfig
 from integrations.rl.workers.tiny import TinyDTensorWorker
 
@@ -31,6 +32,7 @@ POLICY = TinyConfig(vocab_size=32, dim=32, n_layers=2, n_heads=4, max_len=32)
 CRITIC = TinyConfig(vocab_size=32, dim=32, n_layers=2, n_heads=4, max_len=32, head="value")
 UIDS, GROUP, TP = [f"p{i}" for i in range(6)], 2, 2
 READ_LIMIT_S = 20.0
+LR = 0.5
 
 
 def rollout() -> tuple[dict[str, Any], list[int]]:
@@ -58,7 +60,7 @@ def _rank(
     client = ObservedClient(dataplane.connect(url), events.append)
     out: dict[str, Any] = {}
     try:
-        policy = TinyDTensorWorker(POLICY, tp=TP, seed=0, lr=1e-3)
+        policy = TinyDTensorWorker(POLICY, tp=TP, seed=0, optimizer="sgd", lr=LR)
         critic = TinyDTensorWorker(CRITIC, tp=TP, seed=1)
         for w in (policy, critic):
             w.setup_data_plane(client)
@@ -76,6 +78,8 @@ def _rank(
         metrics = policy.train_presharded(shard, ClippedPolicyLoss())
         out["train"] = {k: metrics[k] for k in ("num_elements", "ratio_min", "ratio_max", "clip_fraction")}
         out["version"] = policy.weight_version
+        trained = policy.state()["params"]  # a collective: every rank gathers
+        out["params"] = trained if rank == 0 else None
         out["puts"] = [(e.op, e.n_keys) for e in events if e.op == "kv_batch_put"]
         t0 = time.monotonic()
         try:
@@ -146,6 +150,31 @@ def test_logprobs_and_values_presharded_write_each_key_once_token_aligned() -> N
             torch.testing.assert_close(lp, expect_lp, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(v, expect_v, rtol=1e-5, atol=1e-5)
             valid += length - 2
+
+    # The step through the store on 2 DP x 2 TP ranks equals one single-process step on the same rows:
+    # every row's loss summed, divided by the global count, clipped, one SGD step.
+    policy.zero_grad()
+    loss_fn, losses = ClippedPolicyLoss(), []
+    for i, length in enumerate(lengths):
+        ids = got["input_ids"][i][None]
+        lp = token_logprobs(policy(ids), ids)
+        row = {
+            "loss_mask": fields["loss_mask"][i : i + 1, :length],
+            "prev_logprobs": lp.detach(),
+            "advantages": fields["advantages"][i : i + 1],
+        }
+        losses.append(loss_fn(lp, row).loss)
+    (torch.stack(losses).sum() / valid).backward()
+    clip_grad_norm_(list(policy.parameters()), 1.0)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p -= LR * p.grad
+    trained = results[0]["params"]
+    torch.manual_seed(0)
+    before = {k: v.detach() for k, v in TinyCausalLM(POLICY).named_parameters()}
+    assert max(float((trained[k] - before[k]).abs().max()) for k in before) > 1e-3, "the step moved the weights"
+    for name, p in policy.named_parameters():
+        torch.testing.assert_close(trained[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
 
     for r in results:
         t = r["train"]
