@@ -52,134 +52,43 @@ its loop during the (short, bounded) attach.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import logging
 import os
-import socket
 import threading
 import time
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Literal
 
-from dataplane._host.quiet import filtered_stderr, ray_logging_level
+from dataplane._host.quiet import filtered_stderr
 from dataplane.adapters.transfer_queue._deploy_config import (
     CONTROLLER_NAME,
-    STORAGE_UNIT_NAME,
     TQ_NAMESPACE,
     TQDeployConfig,
     apply_env,
     build_conf,
     tq_env,
 )
+from dataplane.adapters.transfer_queue._ray import (
+    ensure_ray,
+    tcp_reachable,
+)
+from dataplane.adapters.transfer_queue._teardown import (
+    cancel_pending,
+    close_client_only,
+    close_quietly,
+    find_controller,
+    kill_named_actors,
+    mooncake_store_client,
+    owner_teardown,
+    reset_tq_globals,
+)
 from dataplane.registry import URL_ENV, export_url
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["TQDeployment", "start_or_attach"]
-
-
-# --------------------------------------------------------------------------------------------- Ray
-
-
-# A Ray that dataplane starts serves one job on one host: every process of it (GCS, raylet, agents,
-# workers, our actors, this driver's core worker) binds loopback only. Ray maps a node address of
-# 127.0.0.1 to the machine's address unless RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER is off (the single-host
-# mode Ray uses on macOS/Windows); Ray's processes and TQ's ZMQ sockets then bind 127.0.0.1. A process
-# that joins such a Ray needs the same setting, or its ray.init maps 127.0.0.1 away and never finds
-# the GCS: we keep it in this process's environment (its subprocesses inherit it) and set it when
-# we join a Ray on a loopback address.
-LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-
-
-@contextlib.contextmanager
-def _loopback_ray() -> Iterator[None]:
-    """Around a ``ray.init`` that starts or joins a Ray on 127.0.0.1: Ray's single-host mode (for a
-    ``ray`` imported before the variable was set, its module flag too, restored after)."""
-    import ray._private.ray_constants as ray_constants
-
-    os.environ.update(LOOPBACK_ENV)
-    has_flag = hasattr(ray_constants, "ENABLE_RAY_CLUSTER")  # Ray 2.40-2.60 have it; the variable suffices where not
-    saved = getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
-    if has_flag:
-        ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
-        yield
-    finally:
-        if has_flag:
-            ray_constants.ENABLE_RAY_CLUSTER = saved
-
-
-@contextlib.contextmanager
-def _environ(env: Mapping[str, str]) -> Iterator[None]:
-    """``env``'s entries that this process's environment lacks, set while Ray starts its processes
-    (they inherit them) and removed after."""
-    added = {k: v for k, v in env.items() if k not in os.environ}
-    os.environ.update(added)
-    try:
-        yield
-    finally:
-        for key, value in added.items():
-            if os.environ.get(key) == value:
-                del os.environ[key]
-
-
-def _is_loopback_address(address: str) -> bool:
-    """Whether a Ray address (``host:port``, ``auto``) names a Ray on this host's loopback."""
-    if address == "auto":
-        try:
-            import ray._private.services as services
-
-            address = services.get_ray_address_from_environment("auto", None) or ""
-        except Exception:  # no Ray found: ray.init will say so
-            return False
-    host = address.rpartition(":")[0].strip("[]") if ":" in address else address
-    return host == "localhost" or host == "::1" or host.startswith("127.")
-
-
-def _ensure_ray(cfg: TQDeployConfig, env: Mapping[str, str]) -> tuple[bool, bool]:
-    """Make sure Ray is initialised here. Returns ``(we_called_ray_init, we_started_a_local_ray)``.
-
-    A local Ray is started on loopback only (``_node_ip_address="127.0.0.1"``, no dashboard) unless ``ray_init_kwargs`` names ``_node_ip_address`` (then it binds there). Its processes
-    inherit this process's environment, which already holds TQ's variables (:func:`apply_env`), so
-    the job needs no ``runtime_env``: Ray then hands its prestarted idle workers to TQ's actors
-    instead of starting new ones for them.
-    """
-    import ray
-
-    if ray.is_initialized():
-        return False, False
-    kwargs = dict(cfg.ray_init_kwargs)
-    kwargs.setdefault("logging_level", ray_logging_level())  # no token-auth warning, no INFO banner
-    address = cfg.ray_address or os.environ.get("RAY_ADDRESS") or None
-    if address:
-        runtime_env = dict(kwargs.pop("runtime_env", None) or {})
-        runtime_env["env_vars"] = {**env, **dict(runtime_env.get("env_vars") or {})}
-        with _loopback_ray() if _is_loopback_address(address) else contextlib.nullcontext():
-            ray.init(address=address, runtime_env=runtime_env, **kwargs)
-        return True, False
-    kwargs.setdefault("include_dashboard", False)
-    num_cpus = cfg.ray_num_cpus or cfg.ray_cpus_needed + max(2, os.cpu_count() or 1)
-    if "_node_ip_address" in kwargs:  # the user says where it binds
-        with _environ(env):
-            ray.init(address="local", num_cpus=num_cpus, **kwargs)
-        return True, True
-    kwargs["_node_ip_address"] = "127.0.0.1"
-    with _loopback_ray(), _environ(env):
-        # address="local": never join a `ray start` cluster that ray.init() would find on disk.
-        ray.init(address="local", num_cpus=num_cpus, **kwargs)
-    return True, True
-
-
-def _find_controller() -> Any | None:
-    import ray
-
-    try:
-        return ray.get_actor(CONTROLLER_NAME, namespace=TQ_NAMESPACE)
-    except ValueError:
-        return None
 
 
 def _wait_for_config(controller: Any, deadline: float) -> Any:
@@ -246,15 +155,6 @@ def _import_tq_meanwhile() -> threading.Thread | None:
     thread = threading.Thread(target=target, name="dataplane-import-tq", daemon=True)
     thread.start()
     return thread
-
-
-def _tcp_reachable(address: str, timeout_s: float = 3.0) -> bool:
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-            return True
-    except (OSError, ValueError):
-        return False
 
 
 # --------------------------------------------------------------------------------------------- deployment
@@ -395,7 +295,7 @@ class TQDeployment:
         """True if the controller actor answers within ``timeout`` (a Ray call, not ZMQ)."""
         import ray
 
-        controller = _find_controller()
+        controller = find_controller()
         if controller is None:
             return False
         try:
@@ -434,17 +334,17 @@ class TQDeployment:
             if self.owner or last_ref:
                 import transfer_queue.interface as itf
 
-                _cancel_pending(itf._TQ_CLIENT)
+                cancel_pending(itf._TQ_CLIENT)
             if self.owner:
                 t0 = time.monotonic()
-                _owner_teardown()
+                owner_teardown()
                 self.timings["close_s"] = time.monotonic() - t0
             elif last_ref:
                 import transfer_queue.interface as itf
 
-                storage_client = _mooncake_store_client(itf._TQ_CLIENT)
-                _close_client_only(itf)
-                _close_quietly(storage_client)
+                storage_client = mooncake_store_client(itf._TQ_CLIENT)
+                close_client_only(itf)
+                close_quietly(storage_client)
         finally:
             if self.master is not None:
                 try:
@@ -461,112 +361,6 @@ class TQDeployment:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-_DRAIN_TIMEOUT_S = 5.0
-
-
-def _cancel_pending(client: Any) -> None:
-    """Cancel the calls still pending on the TQ client's loop (one whose controller died, a put's
-    rollback) and let them end there, before its close stops the loop: a coroutine left pending on
-    a stopped loop is closed later by the garbage collector, in another context, where TQ's socket
-    lease then fails (an "Exception ignored" at a random later moment)."""
-    loop = getattr(client, "_loop", None)
-    if loop is None or loop.is_closed() or not loop.is_running():
-        return
-
-    async def drain() -> int:
-        me = asyncio.current_task()
-        tasks = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=_DRAIN_TIMEOUT_S)
-        return len(tasks)
-
-    future = asyncio.run_coroutine_threadsafe(drain(), loop)
-    try:
-        cancelled = future.result(_DRAIN_TIMEOUT_S + 1.0)
-    except Exception as e:  # the loop is wedged (a blocking call inside it): close goes on anyway
-        future.cancel()
-        logger.warning("could not cancel the TransferQueue calls still pending at close: %s", e)
-        return
-    if cancelled:
-        logger.debug("cancelled %d TransferQueue calls still pending at close", cancelled)
-
-
-def _mooncake_store_client(client: Any) -> Any:
-    manager = getattr(client, "storage_manager", None)
-    storage_client = getattr(manager, "storage_client", None)
-    return storage_client if type(storage_client).__name__ == "MooncakeStoreClient" else None
-
-
-def _close_quietly(storage_client: Any) -> None:
-    if storage_client is None:
-        return
-    try:
-        storage_client.close()
-    except Exception as e:
-        logger.warning("closing the Mooncake store client failed: %s", e)
-
-
-def _owner_teardown() -> None:
-    """``tq.close()`` (storage units, client, controller), then the Mooncake client TQ never closes."""
-    import transfer_queue as tq
-    import transfer_queue.interface as itf
-
-    storage_client = _mooncake_store_client(itf._TQ_CLIENT)
-    try:
-        tq.close()
-    except Exception as e:
-        logger.warning("tq.close() failed: %s", e)
-    _close_quietly(storage_client)
-
-
-def _close_client_only(itf: Any) -> None:
-    """Close this process's TQ client and forget the controller; never ``tq.close()`` (kills it)."""
-    client = itf._TQ_CLIENT
-    itf._TQ_CLIENT = None
-    itf._TQ_CONTROLLER = None
-    if client is not None:
-        try:
-            client.close()
-        except Exception as e:
-            logger.warning("closing the TransferQueue client failed: %s", e)
-
-
-# --------------------------------------------------------------------------------------------- start / attach
-
-
-def _created_by_this_job(handle: Any) -> bool:
-    import ray
-
-    try:
-        return bool(handle._ray_actor_id.job_id.hex() == ray.get_runtime_context().get_job_id())
-    except Exception:  # cannot tell: leave it alone
-        return False
-
-
-def _kill_named_actors(num_units: int) -> None:
-    """Kill what a failed start-up left: units (named in our job's namespace, so ours) and the
-    controller if this job created it (never a controller another process started meanwhile)."""
-    import ray
-
-    for i in range(num_units):
-        try:
-            ray.kill(ray.get_actor(STORAGE_UNIT_NAME.format(i)))
-        except Exception:  # not there: nothing to kill
-            pass
-    controller = _find_controller()
-    if controller is not None and _created_by_this_job(controller):
-        ray.kill(controller)
-
-
-def _reset_tq_globals() -> None:
-    import transfer_queue.interface as itf
-
-    _close_client_only(itf)
-    itf._TQ_STORAGE = None
 
 
 def start_or_attach(cfg: TQDeployConfig | None = None) -> TQDeployment:
@@ -606,7 +400,7 @@ def start_or_attach(cfg: TQDeployConfig | None = None) -> TQDeployment:
     # deployment); its GCS address (in client.url) is not known before ray.init.
     own = not cfg.attach_only and not os.environ.get(URL_ENV)
     importer = _import_tq_meanwhile()
-    ray_inited, ray_started = _ensure_ray(cfg, {**env, URL_ENV: "tq://"} if own else env)
+    ray_inited, ray_started = ensure_ray(cfg, {**env, URL_ENV: "tq://"} if own else env)
     timings = {"ray_init_s": time.monotonic() - t_start}
     if importer is not None:
         importer.join()
@@ -616,7 +410,7 @@ def start_or_attach(cfg: TQDeployConfig | None = None) -> TQDeployment:
         import transfer_queue.interface as itf
 
         apply_env(env)  # patch constants if TQ was imported before us
-        controller = _find_controller()
+        controller = find_controller()
         t0 = time.monotonic()
         if controller is not None:
             conf = _wait_for_config(controller, deadline)
@@ -645,7 +439,7 @@ def start_or_attach(cfg: TQDeployConfig | None = None) -> TQDeployment:
         return dep
     except BaseException:
         if dep.owner:
-            _owner_teardown()
+            owner_teardown()
         if dep.master is not None:
             dep.master.stop()
         if ray_inited:
@@ -661,7 +455,7 @@ def _identity() -> tuple[str, str]:
     import ray
     import transfer_queue.interface as itf
 
-    controller = itf._TQ_CONTROLLER or _find_controller()
+    controller = itf._TQ_CONTROLLER or find_controller()
     try:
         actor_id = controller._ray_actor_id.hex() if controller is not None else ""
     except AttributeError:  # another Ray's handle type: the id stays unknown, never checked
@@ -681,7 +475,7 @@ def _quiet_attach() -> Any:
 
 def _check_mooncake_master(conf: Any) -> None:
     address = str(conf.backend.MooncakeStore.master_server_address)
-    if not _tcp_reachable(address):
+    if not tcp_reachable(address):
         raise RuntimeError(
             f"TransferQueue's mooncake_master {address} is not reachable; its owner has probably "
             f"exited. Restart the owner process (the one that called start_or_attach first)."
@@ -761,7 +555,7 @@ def _start_owned(dep: TQDeployment, deadline: float) -> None:
     if cfg.storage == "mooncake":
         if cfg.mooncake_master_address:
             dep.master_address = cfg.mooncake_master_address
-            if not _tcp_reachable(dep.master_address):
+            if not tcp_reachable(dep.master_address):
                 raise RuntimeError(f"mooncake_master_address {dep.master_address} is not reachable")
         else:
             from dataplane._host.mooncake_master import start_master
@@ -776,10 +570,10 @@ def _start_owned(dep: TQDeployment, deadline: float) -> None:
         final = _run_bounded(lambda: _tq_init(conf), max(0.1, deadline - time.monotonic()), "tq.init")
     except BaseException as e:
         # Killing the actors also fails the tq.init thread's pending ray.get, so it ends too.
-        _kill_named_actors(units)
+        kill_named_actors(units)
         if isinstance(e, _Bounded):
             e.thread.join(10.0)
-        _reset_tq_globals()
+        reset_tq_globals()
         if isinstance(e, _Bounded):
             raise TimeoutError(
                 f"tq.init did not finish within {cfg.init_timeout_s:g}s (init_timeout_s); everything it "
@@ -790,7 +584,7 @@ def _start_owned(dep: TQDeployment, deadline: float) -> None:
     if itf._TQ_STORAGE is None:
         # Another process created the controller between our check and tq.init: we attached.
         logger.info("another process started TransferQueue first; attached instead")
-        dep.conf = _wait_for_config(_find_controller(), deadline)
+        dep.conf = _wait_for_config(find_controller(), deadline)
         if dep.master is not None:
             dep.master.stop()
             dep.master = None
