@@ -68,19 +68,25 @@ class ErrorInfo:
         return cls(type=type(exc).__name__, message=str(exc), rank=rank)
 
 
-def error_from_info(info: ErrorInfo) -> DataPlaneError:
+def error_from_info(info: ErrorInfo, *, context: str | None = None) -> DataPlaneError:
     """The typed error every rank raises for a leader failure.
 
     The class is the dataplane error of the same name; anything else becomes a plain
-    :class:`DataPlaneError` whose message starts with the original class name.
+    :class:`DataPlaneError` whose message starts with the original class name. ``context`` is
+    appended to the message: None says the replica group's leader raised it, ``""`` adds nothing
+    (for a message that already says where it comes from).
 
     >>> err = error_from_info(ErrorInfo(type="KeyNotFound", message="1 key(s) missing", rank=2))
     >>> type(err).__name__, isinstance(err, KeyError)
     ('KeyNotFound', True)
+    >>> str(error_from_info(ErrorInfo(type="ValueError", message="bad", rank=0), context=""))
+    'ValueError: bad'
     """
     where = (
         f" [raised by the replica group's leader (global rank {info.rank}) while reading the shard; "
         "every rank of the group raises it]"
+        if context is None
+        else context
     )
     cls = getattr(_errors, info.type, None)
     if isinstance(cls, type) and issubclass(cls, DataPlaneError):

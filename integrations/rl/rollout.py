@@ -115,6 +115,16 @@ class CountingTask:
     target_len: int = 4
     eos_id: int = 0
 
+    def __post_init__(self) -> None:
+        for name, low in (("vocab_size", 3), ("prompt_len", 1), ("target_len", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise InvalidArgument(f"CountingTask.{name} must be an int >= {low}, got {value!r}")
+        if self.eos_id != 0:
+            raise InvalidArgument(
+                f"CountingTask counts through 1..vocab_size-1 and ends at token 0; eos_id must be 0, got {self.eos_id!r}"
+            )
+
     def _next(self, tok: int) -> int:
         return tok % (self.vocab_size - 1) + 1
 

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dataplane import DataPlaneError, InvalidArgument
+from dataplane.worker.collective import comm_device
 
 __all__ = [
     "LossFunction",
@@ -43,7 +44,6 @@ __all__ = [
     "aggregate_metrics",
     "clip_grad_norm_",
     "grad_norm",
-    "group_device",
 ]
 
 
@@ -144,7 +144,7 @@ def aggregate_metrics(
         for values, op in ((sums, dist.ReduceOp.SUM), (mins, dist.ReduceOp.MIN), (maxs, dist.ReduceOp.MAX)):
             names = sorted(values)
             if names:
-                t = torch.tensor([values[k] for k in names], dtype=torch.float64, device=group_device(group))
+                t = torch.tensor([values[k] for k in names], dtype=torch.float64, device=comm_device(group))
                 dist.all_reduce(t, op=op, group=group)
                 values.update(zip(names, t.tolist(), strict=True))
     out = {k: (v if _kind(k) == "count" else v / n if n else 0.0) for k, v in sums.items()}
@@ -153,14 +153,6 @@ def aggregate_metrics(
     if lr is not None:
         out["lr"] = lr
     return dict(sorted(out.items()))
-
-
-def group_device(group: Any) -> torch.device:
-    """Where a small tensor for a collective over ``group`` lives: the current CUDA device for NCCL, else the CPU."""
-    backend = dist.get_backend(group)
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 # -- gradient norm ---------------------------------------------------------------------------------
@@ -334,7 +326,7 @@ class SplitTrainStepMixin:
             group = self.train_dp_group()
             totals = torch.stack([step.count, torch.tensor(float(step.microbatches), dtype=torch.float64)])
             if group is not None:
-                totals = totals.to(group_device(group))
+                totals = totals.to(comm_device(group))
                 dist.all_reduce(totals, group=group)
             n, microbatches = (float(x) for x in totals.cpu())
             metrics = aggregate_metrics(step.metrics, n, group=group)
@@ -376,7 +368,7 @@ class SplitTrainStepMixin:
         """All ranks learn whether any failed, before a backward that would wait for the failed one."""
         group = self.train_world_group()
         if group is not None and dist.get_world_size(group) > 1:
-            flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=group_device(group))
+            flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=comm_device(group))
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
             if error is None and int(flag.item()):
                 raise PeerFailure(

@@ -44,9 +44,10 @@ from tensordict import TensorDict, TensorDictBase
 from torch import Tensor, nn
 
 from dataplane import InvalidArgument, KVBatchMeta
-from dataplane.worker import DataPlaneWorkerMixin, DeviceMeshReplicaMixin, microbatch_plan
+from dataplane.worker import DataPlaneWorkerMixin, DeviceMeshReplicaMixin, ErrorInfo, error_from_info, microbatch_plan
+from dataplane.worker.collective import comm_device
 from integrations.rl.conventions import INPUT_IDS, LOSS_MASK, PREV_LOGPROBS, VALUES, shift_to_tokens, token_logprobs
-from integrations.rl.split_step import SplitTrainStepMixin, group_device
+from integrations.rl.split_step import SplitTrainStepMixin
 
 __all__ = ["DTensorRLWorkerMixin", "full_parameters", "use_sum_reduction"]
 
@@ -227,14 +228,14 @@ class DTensorRLWorkerMixin(SplitTrainStepMixin, DeviceMeshReplicaMixin, DataPlan
                 raise error
             return data  # type: ignore[no-any-return]
         me = dist.get_rank()
-        first = torch.tensor([me if error is not None else _NO_RANK], dtype=torch.int64, device=group_device(group))
+        first = torch.tensor([me if error is not None else _NO_RANK], dtype=torch.int64, device=comm_device(group))
         dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
         src = int(first.item())
         if src == _NO_RANK:
             return data  # type: ignore[no-any-return]
-        box: list[Any] = [(type(error).__name__, str(error))] if me == src else [None]
+        box: list[Any] = [ErrorInfo.from_exception(error, me) if error is not None else None]
         dist.broadcast_object_list(box, src=src, group=group)
-        raise _rebuild_error(*box[0]) from error
+        raise error_from_info(box[0], context="") from error
 
     def planned_microbatches(
         self, data: TensorDictBase, meta: KVBatchMeta, micro_batch_size: int | None
@@ -256,7 +257,7 @@ class DTensorRLWorkerMixin(SplitTrainStepMixin, DeviceMeshReplicaMixin, DataPlan
         count = torch.tensor([len(plan)], dtype=torch.int64)
         group = self.train_dp_group()
         if group is not None and dist.get_world_size(group) > 1:
-            count = count.to(group_device(group))
+            count = count.to(comm_device(group))
             dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
         plan = plan + [[] for _ in range(int(count.item()) - len(plan))]
         for positions in plan:
@@ -306,12 +307,3 @@ def _empty_batch(meta: KVBatchMeta, fields: list[str], device: torch.device) -> 
     width = int(meta.extra_info.get("pad_to_length") or 1)
     rows = {f: torch.zeros(0, width, dtype=torch.int64 if f in _INTEGER_FIELDS else torch.float32) for f in fields}
     return TensorDict(rows, batch_size=[0], device=device)
-
-
-def _rebuild_error(name: str, message: str) -> Exception:
-    import dataplane
-
-    cls = getattr(dataplane, name, None)
-    if isinstance(cls, type) and issubclass(cls, dataplane.DataPlaneError):
-        return cls(message)
-    return dataplane.DataPlaneError(f"{name}: {message}")

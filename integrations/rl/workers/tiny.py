@@ -1,9 +1,10 @@
 """A reference FSDP2 worker for the tiny model: what a user's worker looks like, runnable on a CPU.
 
->>> # on every rank of an initialised process group (gloo on CPU, NCCL on GPUs):
->>> # worker = TinyDTensorWorker(TinyConfig(), tp=2, lr=1e-3)
->>> # worker.setup_data_plane(url)
->>> # worker.get_logprobs_presharded(shard_meta)
+On every rank of an initialised process group (gloo on CPU, NCCL on GPUs)::
+
+    worker = TinyDTensorWorker(TinyConfig(), tp=2, lr=1e-3)
+    worker.setup_data_plane(url)
+    worker.get_logprobs_presharded(shard_meta)
 """
 
 from __future__ import annotations

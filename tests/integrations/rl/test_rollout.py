@@ -67,3 +67,7 @@ def test_bad_generation_arguments() -> None:
         generate(model(), torch.zeros(2, 0, dtype=torch.int64), 4)
     with pytest.raises(InvalidArgument, match="temperature"):
         generate(model(), torch.zeros(2, 3, dtype=torch.int64), 4, temperature=0.0)
+    with pytest.raises(InvalidArgument, match="vocab_size"):
+        CountingTask(vocab_size=2)
+    with pytest.raises(InvalidArgument, match="eos_id"):
+        CountingTask(eos_id=5)
