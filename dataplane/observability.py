@@ -114,6 +114,11 @@ class ObservedClient(DataPlaneClient):
     def capabilities(self) -> Capabilities:
         return self.inner.capabilities
 
+    @property
+    def url(self) -> str:
+        """The wrapped client's URL (another process joins the same deployment with it)."""
+        return self.inner.url
+
     @contextmanager
     def _observe(self, op: str, partition_id: str | None, n_keys: int, n_fields: int) -> Iterator[list[int]]:
         box = [0]  # the call fills in its byte count

@@ -83,3 +83,8 @@ def test_kv_clear_forgets_exactly_the_cleared_rows() -> None:
     snap = client.snapshot()
     assert snap["bytes_outstanding"] == 0 and snap["bytes_peak"] == 30
     client.close()
+
+
+def test_url_is_the_wrapped_clients() -> None:
+    with ObservedClient(dataplane.connect("memory://observed-url")) as client:
+        assert client.url == "memory://observed-url"  # a worker handed the wrapper can still tell peers where to join

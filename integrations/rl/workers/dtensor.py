@@ -191,8 +191,22 @@ class DTensorRLWorkerMixin(SplitTrainStepMixin, DeviceMeshReplicaMixin, DataPlan
         async trainer trains each ready chunk as it comes). Returns each microbatch's metrics.
         """
         step = self._require_open("train_microbatches_presharded")
-        fields = list(dict.fromkeys((INPUT_IDS, *step.loss_fn.fields)))
-        data = self.fetch_agreed(meta, fields)
+        data = self.fetch_agreed(meta, self.train_fields(step.loss_fn))
+        return self.train_microbatches(data, meta)
+
+    def train_fields(self, loss_fn: Any) -> list[str]:
+        """The fields a train step with ``loss_fn`` reads: ``input_ids`` and the loss's fields."""
+        return list(dict.fromkeys((INPUT_IDS, *loss_fn.fields)))
+
+    def train_microbatches(self, data: TensorDictBase, meta: KVBatchMeta) -> list[dict[str, float]]:
+        """Train this shard's planned microbatches of ``data`` into the open step.
+
+        What :meth:`train_microbatches_presharded` runs after its fetch, for a caller that brings the
+        shard itself (a trainer without a data plane): ``data`` holds :meth:`train_fields`, one row per
+        row of ``meta``, padded to ``meta.extra_info["pad_to_length"]`` (zeros past each row's length),
+        on :meth:`compute_device`. Every rank of the model calls it.
+        """
+        self._require_open("train_microbatches")
         planned = self.planned_microbatches(data, meta, self.train_micro_batch_size)
         return [self.train_microbatch(mb, dummy=not positions) for positions, mb in planned]
 
@@ -283,8 +297,21 @@ class DTensorRLWorkerMixin(SplitTrainStepMixin, DeviceMeshReplicaMixin, DataPlan
                 rows[k] = torch.zeros((1, *inner), dtype=v.dtype, device=v.device)
         return TensorDict(rows, batch_size=[1], device=data.device)
 
-    def _forward_presharded(self, meta: KVBatchMeta, out_field: str, forward: Any) -> KVBatchMeta | None:
-        data = self.fetch_agreed(meta, [INPUT_IDS])
+    def forward_logprobs(self, data: TensorDictBase, meta: KVBatchMeta) -> Tensor:
+        """Token-aligned logprobs ``[rows, width]`` (float32, CPU) of ``data[INPUT_IDS]``, forwarded in
+        ``meta``'s planned microbatches (dummies up to the DP maximum). Every rank of the model calls it.
+
+        What :meth:`get_logprobs_presharded` computes between its fetch and its write-back, for a
+        caller that brings the shard itself. Positions past a row's length hold whatever the model
+        gives there: mask them before use.
+        """
+        return self._forward_planned(data, meta, self.token_logprobs_of)
+
+    def forward_values(self, data: TensorDictBase, meta: KVBatchMeta) -> Tensor:
+        """Token-aligned values ``[rows, width]`` of ``data[INPUT_IDS]``; see :meth:`forward_logprobs`."""
+        return self._forward_planned(data, meta, self.token_values_of)
+
+    def _forward_planned(self, data: TensorDictBase, meta: KVBatchMeta, forward: Any) -> Tensor:
         width = int(data[INPUT_IDS].shape[1]) if meta.size else 0
         result = torch.zeros(meta.size, width, dtype=torch.float32)
         with _eval_mode(self.model):
@@ -292,6 +319,11 @@ class DTensorRLWorkerMixin(SplitTrainStepMixin, DeviceMeshReplicaMixin, DataPlan
                 out = forward(mb[INPUT_IDS])
                 if positions:
                     result[torch.tensor(positions, dtype=torch.int64)] = out.detach().float().cpu()
+        return result
+
+    def _forward_presharded(self, meta: KVBatchMeta, out_field: str, forward: Any) -> KVBatchMeta | None:
+        data = self.fetch_agreed(meta, [INPUT_IDS])
+        result = self._forward_planned(data, meta, forward)
         if meta.size == 0:
             return meta if self.is_writeback_leader() else None
         return self.write_back(meta, {out_field: result}, token_fields=[out_field])

@@ -1,0 +1,1 @@
+"""Runnable examples: ``python -m integrations.rl.examples.<name>``."""

@@ -1,0 +1,206 @@
+"""A rollout worker for the tiny model: sample with the current weights, score, write the rows.
+
+:class:`RolloutActor` is a plain class; run it as a Ray actor (``ray.remote(RolloutActor)``). Each
+:meth:`~RolloutActor.rollout` samples ``group_size`` responses for each of ``prompts_per_step``
+prompts with a generator seeded from ``(seed, step)`` (the same seed and weights give the same
+tokens, whatever ran before), scores them with the reward function, and writes them with
+:func:`dataplane.columns.first_write`: keys ``f"{uid}_g{i}"``, tags ``uid``, ``sample_idx`` and
+``weight_version``, token fields ``input_ids``, ``loss_mask`` and ``gen_logprobs`` plus ``reward``
+per row. It returns the meta and the per-row rewards only; the bulk stays in the store.
+
+Weights arrive through :meth:`~RolloutActor.load_weights` (whole parameters by name, what a trainer
+group's ``state_dict_ref`` holds); see :mod:`integrations.rl.weight_sync`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+from torch import Tensor
+
+from dataplane import InvalidArgument, KVBatchMeta
+from dataplane.columns import first_write
+from integrations.rl.conventions import GEN_LOGPROBS, INPUT_IDS, LOSS_MASK, REWARD
+from integrations.rl.metering import TrafficMeter
+from integrations.rl.rollout import CountingTask, generate
+from integrations.rl.workers.model import TinyCausalLM, TinyConfig
+
+__all__ = ["RolloutActor", "RolloutResult", "rollout_meta"]
+
+RewardFn = Callable[[Sequence[int], Sequence[int]], float]
+TOKEN_FIELDS = (INPUT_IDS, LOSS_MASK, GEN_LOGPROBS)
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutResult:
+    """What a rollout returns to the driver.
+
+    Attributes:
+        meta: the written rows (uid-major: row ``j`` is sample ``j % group_size`` of prompt ``j // group_size``).
+        rewards: ``[rows]`` float32, per row.
+        data: the rows' tensors (``[rows, width]``, zeros past each row's length) when the rollout was
+            asked for them instead of writing (a trainer without a data plane); else None.
+        seconds: time spent sampling and scoring (not writing).
+    """
+
+    meta: KVBatchMeta
+    rewards: Tensor
+    data: TensorDict | None
+    seconds: float
+
+
+def rollout_meta(
+    partition_id: str,
+    uids: Sequence[str],
+    group_size: int,
+    lengths: Sequence[int],
+    tags: Mapping[str, Any],
+    pad_to_multiple: int = 1,
+) -> KVBatchMeta:
+    """The meta :func:`~dataplane.columns.first_write` returns for these rows, without writing them
+    (for a run without a data plane: the same keys, lengths, tags and plan inputs)."""
+    keys = [f"{u}_g{i}" for u in uids for i in range(group_size)]
+    row_tags = [{**tags, "uid": u, "sample_idx": i} for u in uids for i in range(group_size)]
+    return KVBatchMeta(
+        partition_id=partition_id,
+        keys=tuple(keys),
+        sequence_lengths=tuple(int(n) for n in lengths),
+        tags=tuple(row_tags),
+        extra_info={"pad_to_multiple": pad_to_multiple, "group_size": group_size},
+    )
+
+
+class RolloutActor:
+    """Samples from a :class:`~integrations.rl.workers.model.TinyCausalLM` and writes scored rollouts.
+
+    Args:
+        config: the model's shape (the trainers' policy model).
+        task: prompts and the reward (default :class:`~integrations.rl.rollout.CountingTask`).
+        prompts_per_step, group_size: prompts per rollout and samples per prompt.
+        max_new_tokens, temperature: sampling.
+        seed: the sampling seed (each step's generator is seeded from ``(seed, step)``).
+        reward_fn: ``(prompt tokens, response tokens) -> float``; default ``task.reward``.
+        threads: torch threads of this process.
+    """
+
+    def __init__(
+        self,
+        config: TinyConfig,
+        task: CountingTask | None = None,
+        *,
+        prompts_per_step: int = 8,
+        group_size: int = 8,
+        max_new_tokens: int = 6,
+        temperature: float = 1.0,
+        seed: int = 0,
+        reward_fn: RewardFn | None = None,
+        threads: int = 1,
+    ) -> None:
+        for name, value in (("prompts_per_step", prompts_per_step), ("group_size", group_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgument(f"{name} must be an int >= 1, got {value!r}")
+        torch.set_num_threads(threads)
+        self.config = config
+        self.task = task or CountingTask(vocab_size=config.vocab_size)
+        if self.task.vocab_size > config.vocab_size:
+            raise InvalidArgument(
+                f"the task's vocab_size {self.task.vocab_size} exceeds the model's {config.vocab_size}"
+            )
+        self.prompts_per_step, self.group_size = prompts_per_step, group_size
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
+        self.reward_fn: Callable[[Any, Any], float] = reward_fn or self.task.reward
+        self.seed = seed
+        self.model = TinyCausalLM(config)
+        self.weight_version = 0
+        self.meter = TrafficMeter()
+        self._client: Any = None
+
+    def connect(self, url: str | None) -> None:
+        """Write to the data plane at ``url`` (a ``client.url``), or nowhere (``None``: return the tensors)."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        if url is not None:
+            import dataplane
+
+            self._client = self.meter.wrap(dataplane.connect(url))
+
+    def close(self) -> None:
+        self.connect(None)
+
+    def reset(self, seed: int) -> None:
+        """Sample with ``seed`` from now on (weights stay until the next :meth:`load_weights`)."""
+        self.seed = seed
+
+    def load_weights(self, params: Mapping[str, Tensor], version: int) -> int:
+        """Load whole parameters by name (every parameter of the model, nothing else); returns ``version``."""
+        own = dict(self.model.named_parameters())
+        if set(params) != set(own):
+            missing, extra = sorted(set(own) - set(params)), sorted(set(params) - set(own))
+            raise InvalidArgument(
+                f"weights do not fit the rollout model: missing {missing[:5]}, unexpected {extra[:5]}"
+            )
+        with torch.no_grad():
+            for name, p in own.items():
+                p.copy_(params[name])
+        self.weight_version = int(version)
+        return self.weight_version
+
+    def rollout(self, step: int, partition_id: str, *, write: bool = True) -> RolloutResult:
+        """Sample, score and (``write=True``) write one step's rollouts into ``partition_id``.
+
+        With ``write=False`` nothing is written: the result carries the tensors and the meta the
+        write would have returned (keys, lengths, tags), for a run without a data plane.
+        """
+        if write and self._client is None:
+            raise InvalidArgument("this rollout actor has no data plane; connect(url) first, or pass write=False")
+        t0 = time.perf_counter()
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        prompts = self.task.prompts(self.prompts_per_step, generator=g).repeat_interleave(self.group_size, dim=0)
+        gen = generate(
+            self.model,
+            prompts,
+            self.max_new_tokens,
+            eos_id=self.task.eos_id,
+            temperature=self.temperature,
+            generator=g,
+        )
+        mask = gen.loss_mask()
+        tokens = gen.tokens * (torch.arange(gen.tokens.shape[1]) < gen.lengths[:, None])  # zeros past each row
+        rewards = torch.tensor(
+            [
+                self.reward_fn(row[: gen.prompt_len], row[gen.prompt_len : n])
+                for row, n in zip(tokens.tolist(), gen.lengths.tolist(), strict=True)
+            ],
+            dtype=torch.float32,
+        )
+        rows = TensorDict(
+            {INPUT_IDS: tokens, LOSS_MASK: mask, GEN_LOGPROBS: gen.logprobs, REWARD: rewards},
+            batch_size=[tokens.shape[0]],
+        )
+        seconds = time.perf_counter() - t0
+        uids = [f"s{step}p{i}" for i in range(self.prompts_per_step)]
+        tags = {"weight_version": self.weight_version}
+        if not write:
+            meta = rollout_meta(partition_id, uids, self.group_size, gen.lengths.tolist(), tags)
+            return RolloutResult(meta=meta, rewards=rewards, data=rows, seconds=seconds)
+        meta = first_write(
+            self._client,
+            rows,
+            uids=uids,
+            group_size=self.group_size,
+            partition_id=partition_id,
+            token_fields=TOKEN_FIELDS,
+            lengths=gen.lengths,
+            tags=tags,
+        )
+        return RolloutResult(meta=meta, rewards=rewards, data=None, seconds=seconds)
+
+    def traffic(self) -> dict[str, float]:
+        """This process's data-plane totals."""
+        return self.meter.totals()
