@@ -34,11 +34,12 @@ from tensordict import TensorDictBase
 from torch import Tensor
 
 from dataplane import InvalidArgument, KVBatchMeta
-from integrations.rl.conventions import PREV_LOGPROBS
+from integrations.rl.conventions import INPUT_IDS, PREV_LOGPROBS
 from integrations.rl.metering import TrafficMeter
+from integrations.rl.split_step import TrainStepError
 from integrations.rl.workers.dtensor import DTensorRLWorkerMixin, full_parameters
 
-__all__ = ["ChunkReport", "ParamDigest", "TrainerActor", "param_digest"]
+__all__ = ["ChunkReport", "ParamDigest", "TrainerActor", "param_digest", "row_fingerprint"]
 
 WorkerFactory = Callable[[], DTensorRLWorkerMixin]
 
@@ -46,10 +47,12 @@ WorkerFactory = Callable[[], DTensorRLWorkerMixin]
 @dataclass(frozen=True, slots=True)
 class ChunkReport:
     """What one rank trained in a chunk: per planned microbatch, the row keys in the order trained
-    (``[]`` for a dummy), and each microbatch's local metrics."""
+    (``[]`` for a dummy), the :func:`row_fingerprint` of each row's ``input_ids`` as the rank had them,
+    and each microbatch's local metrics."""
 
     rank: int
     microbatches: list[list[str]]
+    fingerprints: list[list[int]] = field(default_factory=list)
     metrics: list[dict[str, float]] = field(default_factory=list)
 
 
@@ -59,6 +62,16 @@ class ParamDigest:
 
     sha256: str
     norm: float
+
+
+def row_fingerprint(ids: Tensor) -> int:
+    """A cheap fingerprint of one row's token ids: ``sum((t + 1) * ids[t])`` (padding zeros add nothing).
+
+    >>> row_fingerprint(torch.tensor([3, 1, 0, 0]))
+    5
+    """
+    weights = torch.arange(1, ids.shape[-1] + 1, device=ids.device, dtype=torch.int64)
+    return int((ids.long() * weights).sum())
 
 
 def param_digest(params: Mapping[str, Tensor]) -> ParamDigest:
@@ -93,6 +106,7 @@ class TrainerActor:
         self.workers: dict[str, DTensorRLWorkerMixin] = {}
         self.meter = TrafficMeter()
         self._client: Any = None
+        self._losses: dict[str, Any] = {}  # model -> the loss of its open step
 
     # -- setup ------------------------------------------------------------------------------------
     def node_address(self) -> str:
@@ -188,23 +202,29 @@ class TrainerActor:
     def begin(self, loss_fn: Any, model: str = "policy") -> None:
         """Open a train step of ``model`` with ``loss_fn``."""
         self._worker(model).begin_train_step(loss_fn)
+        self._losses[model] = loss_fn
 
     def train_chunk(self, shard: KVBatchMeta, data: TensorDictBase | None = None, model: str = "policy") -> ChunkReport:
         """Train the shard's planned microbatches into the open step (read from the data plane, or ``data``)."""
         worker = self._worker(model)
+        loss_fn = self._losses.get(model)
+        if loss_fn is None or not worker.train_step_open:
+            raise TrainStepError("train_chunk() needs an open step; call begin(loss_fn) first")
         if data is None:
-            metrics = worker.train_microbatches_presharded(shard)
-        else:
-            metrics = worker.train_microbatches(self._local(worker, data), shard)
-        return ChunkReport(rank=self.rank, microbatches=self._planned_keys(shard, len(metrics)), metrics=metrics)
-
-    @staticmethod
-    def _planned_keys(shard: KVBatchMeta, count: int) -> list[list[str]]:
+            data = worker.fetch_agreed(shard, worker.train_fields(loss_fn))
+        data = self._local(worker, data)  # a no-op for what the fetch put there already
+        metrics = worker.train_microbatches(data, shard)
         plan = shard.extra_info.get("microbatches")
         if plan is None:
             plan = [list(range(shard.size))] if shard.size else []
-        keys = [[shard.keys[i] for i in positions] for positions in plan]
-        return keys + [[] for _ in range(count - len(keys))]
+        plan = plan + [[] for _ in range(len(metrics) - len(plan))]
+        ids = data[INPUT_IDS]
+        return ChunkReport(
+            rank=self.rank,
+            microbatches=[[shard.keys[i] for i in positions] for positions in plan],
+            fingerprints=[[row_fingerprint(ids[i]) for i in positions] for positions in plan],
+            metrics=metrics,
+        )
 
     def finish(self, model: str = "policy") -> dict[str, float]:
         """Finish the open step (normalise, clip, step); its metrics, the same on every rank."""

@@ -1,0 +1,214 @@
+"""Synchronous GRPO end to end: a rollout actor and two FSDP2 trainer actors (gloo) on a real local Ray,
+rows through real Mooncake and TransferQueue deployments, checked against the same run with the
+tensors passed through the driver.
+
+One Ray (started by the ``tq://`` owner, loopback only) and one set of actors serve every run of the
+module; each run rebuilds the models from its seed (``Cluster.reset``). The test that kills a trainer
+runs last: it leaves the group dead.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+import dataplane
+from dataplane.columns import read_columns
+from integrations.rl.conventions import INPUT_IDS, REWARD
+from integrations.rl.examples import grpo_tiny
+from integrations.rl.grpo import GRPO, StepRecord
+from integrations.rl.policy import ActorFailure
+from integrations.rl.trainer_actor import row_fingerprint
+
+pytest.importorskip("ray", reason="needs Ray: pip install 'dataplane[tq]'")
+pytest.importorskip("transfer_queue", reason="needs TransferQueue: pip install 'dataplane[tq]'")
+pytest.importorskip("mooncake.store", reason="needs Mooncake: pip install 'dataplane[mooncake]'")
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.tq, pytest.mark.mooncake]
+
+OPTS = grpo_tiny.Options(steps=5, prompts_per_step=8, group_size=8, seed=3, progress=False)
+BACKENDS = ["mooncake://local", "tq://?backend=simple"]
+
+
+@pytest.fixture(scope="module")
+def tq_owner() -> Iterator[dataplane.DataPlaneClient]:
+    with dataplane.connect("tq://?backend=simple") as client:  # starts the loopback Ray every run uses
+        yield client
+
+
+@pytest.fixture(scope="module")
+def mooncake_owner(tq_owner: Any) -> Iterator[dataplane.DataPlaneClient]:
+    with dataplane.connect("mooncake://local") as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def owners(tq_owner: Any, mooncake_owner: Any) -> dict[str, dataplane.DataPlaneClient]:
+    return {"tq://?backend=simple": tq_owner, "mooncake://local": mooncake_owner}
+
+
+@pytest.fixture(scope="module")
+def cluster(tq_owner: Any) -> Iterator[grpo_tiny.Cluster]:
+    c = grpo_tiny.Cluster.start(OPTS)
+    yield c
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def inline_run(cluster: grpo_tiny.Cluster) -> dict[str, Any]:
+    return grpo_tiny.run(replace(OPTS, transport="inline"), cluster=cluster)
+
+
+class StepChecker:
+    """Looks at the store around every step of a data-plane run, through a client of its own (the
+    driver's byte count stays the driver's)."""
+
+    def __init__(self, grpo_client: dataplane.DataPlaneClient, policy: Any) -> None:
+        self.client = dataplane.connect(grpo_client.url)
+        self.records: list[StepRecord] = []
+        self.stored_fingerprints: dict[str, int] = {}
+        self._train_chunk = policy.train_chunk
+
+    def train_chunk(self, meta: Any, **kw: Any) -> Any:
+        """The policy's train_chunk, after noting the rows the store holds for the chunk's keys."""
+        ids = read_columns(self.client, meta, [INPUT_IDS])[INPUT_IDS]
+        self.stored_fingerprints.update({k: row_fingerprint(ids[i]) for i, k in enumerate(meta.keys)})
+        return self._train_chunk(meta, **kw)
+
+    def on_step(self, record: StepRecord, grpo: GRPO) -> None:
+        self.records.append(record)
+        assert not self.client.kv_list(record.partition_id).get(record.partition_id)  # nothing left behind
+
+    def close(self) -> None:
+        self.client.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dataplane_run_equals_the_inline_run_bit_for_bit(
+    backend: str, cluster: grpo_tiny.Cluster, owners: dict[str, Any], inline_run: dict[str, Any], monkeypatch: Any
+) -> None:
+    checker = StepChecker(owners[backend], cluster.policy)
+    monkeypatch.setattr(cluster.policy, "train_chunk", checker.train_chunk)
+    try:
+        doc = grpo_tiny.run(
+            replace(OPTS, backend=backend), cluster=cluster, client=owners[backend], on_step=checker.on_step
+        )
+    finally:
+        checker.close()
+
+    # parity: the same algorithm, plan and seeds without the data plane ends with the same bits
+    assert doc["param_sha256"] == inline_run["param_sha256"]
+    assert [s["reward_mean"] for s in doc["steps"]] == [s["reward_mean"] for s in inline_run["steps"]]
+    assert [s["loss"] for s in doc["steps"]] == [s["loss"] for s in inline_run["steps"]]
+    assert inline_run["bytes_get"] == inline_run["bytes_put"] == 0  # inline moved nothing through a store
+
+    # the driver reads only per-row scalars (here: none at all) while the trainers read every row
+    assert doc["bytes_get"] > 0
+    assert doc["driver_bytes_get"] < 0.01 * doc["bytes_get"]
+
+    trained_versions = 0
+    for record in checker.records:
+        # dynamic sampling dropped exactly the groups whose rewards are all equal
+        expected = [u for u, rs in record.group_rewards.items() if len(set(rs)) == 1]
+        assert record.dropped_groups == expected
+        kept = {u for u in record.group_rewards if u not in expected}
+        assert record.rows_trained == OPTS.group_size * len(kept)
+        trained_keys: list[str] = []
+        for chunk in record.chunks:
+            counts = {len(report.microbatches) for report in chunk.reports}
+            assert len(counts) == 1  # every DP rank ran the same number of microbatches
+            for shard, report in zip(chunk.shards, chunk.reports, strict=True):
+                plan = shard.extra_info["microbatches"]
+                planned = [[shard.keys[i] for i in mb] for mb in plan]
+                assert report.microbatches[: len(planned)] == planned  # the plan's rows, in the plan's order
+                assert all(not mb for mb in report.microbatches[len(planned) :])  # then only dummies
+                for keys, prints in zip(report.microbatches, report.fingerprints, strict=True):
+                    # ... and those are the rows the store holds under those keys
+                    assert prints == [checker.stored_fingerprints[k] for k in keys]
+                    trained_keys += keys
+        assert sorted(trained_keys) == sorted(f"{u}_g{i}" for u in kept for i in range(OPTS.group_size))
+        trained_versions += bool(record.metrics)
+        assert record.version == trained_versions  # the version moves once per finished step
+    assert len(checker.records) == OPTS.steps
+
+
+def test_split_and_monolithic_steps_agree(cluster: grpo_tiny.Cluster, mooncake_owner: Any) -> None:
+    opts = replace(OPTS, steps=3)
+    split = grpo_tiny.run(opts, cluster=cluster, client=mooncake_owner)
+    mono = grpo_tiny.run(replace(opts, train_step="monolithic"), cluster=cluster, client=mooncake_owner)
+    assert split["train_step"] == "split" and mono["train_step"] == "monolithic"
+    assert [s["version"] for s in split["steps"]] == [s["version"] for s in mono["steps"]]
+    assert split["steps"][-1]["version"] >= 1  # something trained
+    # chunks are sharded on their own: other row placements, other summation order -> rounding only
+    assert split["param_norm"] == pytest.approx(mono["param_norm"], rel=1e-6)
+
+
+def test_the_run_is_loopback_only_and_memory_is_refused(cluster: grpo_tiny.Cluster) -> None:
+    import ray
+
+    assert ray.util.get_node_ip_address() == "127.0.0.1"  # type: ignore[no-untyped-call]
+    with pytest.raises(dataplane.InvalidArgument, match="one process"):
+        grpo_tiny.run(replace(OPTS, backend="memory://"), cluster=cluster)
+    assert grpo_tiny.main(["--backend", "memory://", "--steps", "1"]) == 2
+
+
+def test_a_trainer_dying_mid_step_raises_a_typed_error_and_leaves_nothing(
+    cluster: grpo_tiny.Cluster, mooncake_owner: Any, monkeypatch: Any
+) -> None:
+    """Last in the module: it kills the shared trainer group."""
+    import ray
+
+    cluster.reset(OPTS, mooncake_owner.url)
+    policy = cluster.policy
+    policy.timeout_s = 60.0
+    grpo = GRPO(policy, cluster.rollout, OPTS.grpo(), client=mooncake_owner)
+    grpo.sync_weights()
+    original = policy.train_chunk
+
+    def train_chunk(meta: Any, **kw: Any) -> Any:  # rank 1 dies with the step open
+        ray.kill(policy.actors[1], no_restart=True)
+        return original(meta, **kw)
+
+    monkeypatch.setattr(policy, "train_chunk", train_chunk)
+    t0 = time.monotonic()
+    with pytest.raises(ActorFailure, match="rank 1 died"):
+        for step in range(OPTS.steps):  # the first step that trains meets the dead rank
+            grpo.step(step)
+    assert time.monotonic() - t0 < policy.timeout_s
+    assert not any(mooncake_owner.kv_list().values())  # the driver cleared the step's partition
+    assert policy.broken is not None
+    with pytest.raises(ActorFailure, match="shut down"):
+        policy.logprobs(dataplane.KVBatchMeta(partition_id="p", keys=["a"], sequence_lengths=[1]))
+
+
+def test_rollout_actor_writes_keys_tags_and_token_aligned_fields() -> None:
+    """The rollout class in this process (its Ray wrapper adds nothing): first_write's keys and tags,
+    rewards that match the tokens, the same tokens for the same seed and weights."""
+    from integrations.rl.rollout_actor import RolloutActor
+
+    opts = OPTS
+    actor = RolloutActor(opts.model(), opts.task(), prompts_per_step=3, group_size=4, max_new_tokens=6, seed=5)
+    actor.load_weights(dict(actor.model.named_parameters()), version=7)
+    with dataplane.connect() as client:
+        actor._client = client  # in-process: the memory store is fine here
+        out = actor.rollout(2, "p")
+        again = actor.rollout(2, "q", write=False)
+        meta = out.meta
+        assert meta.keys == tuple(f"s2p{i}_g{j}" for i in range(3) for j in range(4))
+        assert [t["uid"] for t in meta.tags] == [f"s2p{i}" for i in range(3) for _ in range(4)]
+        assert [t["sample_idx"] for t in meta.tags] == [j for _ in range(3) for j in range(4)]
+        assert {t["weight_version"] for t in meta.tags} == {7}
+        assert again.meta.keys == meta.keys and again.meta.sequence_lengths == meta.sequence_lengths
+        assert again.data is not None and out.data is None
+        rows = read_columns(client, meta, [INPUT_IDS, REWARD])
+        assert torch.equal(rows[REWARD], out.rewards) and torch.equal(out.rewards, again.rewards)
+        task = opts.task()
+        for i, n in enumerate(meta.sequence_lengths or ()):
+            row = rows[INPUT_IDS][i][:n].tolist()
+            assert row == again.data[INPUT_IDS][i][:n].tolist()
+            assert out.rewards[i].item() == task.reward(row[:4], row[4:])
