@@ -157,6 +157,69 @@ def test_the_run_is_loopback_only_and_memory_is_refused(cluster: grpo_tiny.Clust
     assert grpo_tiny.main(["--backend", "memory://", "--steps", "1"]) == 2
 
 
+def test_rollout_actor_writes_keys_tags_and_token_aligned_fields() -> None:
+    """The rollout class in this process (its Ray wrapper adds nothing): first_write's keys and tags,
+    rewards that match the tokens, the same tokens for the same seed and weights."""
+    from integrations.rl.rollout_actor import RolloutActor
+
+    opts = OPTS
+    actor = RolloutActor(opts.model(), opts.task(), prompts_per_step=3, group_size=4, max_new_tokens=6, seed=5)
+    actor.load_weights(dict(actor.model.named_parameters()), version=7)
+    with dataplane.connect() as client:
+        actor._client = client  # in-process: the memory store is fine here
+        out = actor.rollout(2, "p")
+        again = actor.rollout(2, "q", write=False)
+        meta = out.meta
+        assert meta.keys == tuple(f"s2p{i}_g{j}" for i in range(3) for j in range(4))
+        assert [t["uid"] for t in meta.tags] == [f"s2p{i}" for i in range(3) for _ in range(4)]
+        assert [t["sample_idx"] for t in meta.tags] == [j for _ in range(3) for j in range(4)]
+        assert {t["weight_version"] for t in meta.tags} == {7}
+        assert again.meta.keys == meta.keys and again.meta.sequence_lengths == meta.sequence_lengths
+        assert again.data is not None and out.data is None
+        rows = read_columns(client, meta, [INPUT_IDS, REWARD])
+        assert torch.equal(rows[REWARD], out.rewards) and torch.equal(out.rewards, again.rewards)
+        task = opts.task()
+        for i, n in enumerate(meta.sequence_lengths or ()):
+            row = rows[INPUT_IDS][i][:n].tolist()
+            assert row == again.data[INPUT_IDS][i][:n].tolist()
+            assert out.rewards[i].item() == task.reward(row[:4], row[4:])
+
+
+def test_gather_names_who_failed_and_never_waits_past_its_timeout(cluster: grpo_tiny.Cluster) -> None:
+    """Plain Ray tasks stand in for a group's members (fractional CPUs: they fit beside the actors)."""
+    import ray
+
+    from integrations.rl.policy import ActorTimeout, gather
+
+    @ray.remote(num_cpus=0.1)
+    def member(behaviour: str) -> int:
+        if behaviour == "raise":
+            raise dataplane.KeyNotFound("row 'a' is gone")
+        if behaviour == "hang":
+            time.sleep(60)
+        return 1
+
+    broken: list[str] = []
+    assert gather([member.remote("ok"), member.remote("ok")], timeout_s=30, what="call") == [1, 1]
+    with pytest.raises(dataplane.KeyNotFound, match="row 'a' is gone"):  # every member done: the typed error as is
+        gather([member.remote("raise"), member.remote("ok")], timeout_s=30, what="call")
+    t0 = time.monotonic()
+    with pytest.raises(ActorTimeout, match="rank 1 did not answer within 2 s"):
+        gather(
+            [member.remote("ok"), member.remote("hang")], timeout_s=2, what="call", on_broken=lambda: broken.append("t")
+        )
+    with pytest.raises(ActorFailure, match=r"rank 0 raised KeyNotFound.*rank 1 did not finish") as info:
+        gather(
+            [member.remote("raise"), member.remote("hang")],
+            timeout_s=30,
+            what="call",
+            grace_s=1,
+            on_broken=lambda: broken.append("f"),
+        )
+    assert isinstance(info.value.__cause__, dataplane.KeyNotFound)
+    assert time.monotonic() - t0 < 20 and broken == ["t", "f"]
+
+
 def test_a_trainer_dying_mid_step_raises_a_typed_error_and_leaves_nothing(
     cluster: grpo_tiny.Cluster, mooncake_owner: Any, monkeypatch: Any
 ) -> None:
@@ -184,31 +247,3 @@ def test_a_trainer_dying_mid_step_raises_a_typed_error_and_leaves_nothing(
     assert policy.broken is not None
     with pytest.raises(ActorFailure, match="shut down"):
         policy.logprobs(dataplane.KVBatchMeta(partition_id="p", keys=["a"], sequence_lengths=[1]))
-
-
-def test_rollout_actor_writes_keys_tags_and_token_aligned_fields() -> None:
-    """The rollout class in this process (its Ray wrapper adds nothing): first_write's keys and tags,
-    rewards that match the tokens, the same tokens for the same seed and weights."""
-    from integrations.rl.rollout_actor import RolloutActor
-
-    opts = OPTS
-    actor = RolloutActor(opts.model(), opts.task(), prompts_per_step=3, group_size=4, max_new_tokens=6, seed=5)
-    actor.load_weights(dict(actor.model.named_parameters()), version=7)
-    with dataplane.connect() as client:
-        actor._client = client  # in-process: the memory store is fine here
-        out = actor.rollout(2, "p")
-        again = actor.rollout(2, "q", write=False)
-        meta = out.meta
-        assert meta.keys == tuple(f"s2p{i}_g{j}" for i in range(3) for j in range(4))
-        assert [t["uid"] for t in meta.tags] == [f"s2p{i}" for i in range(3) for _ in range(4)]
-        assert [t["sample_idx"] for t in meta.tags] == [j for _ in range(3) for j in range(4)]
-        assert {t["weight_version"] for t in meta.tags} == {7}
-        assert again.meta.keys == meta.keys and again.meta.sequence_lengths == meta.sequence_lengths
-        assert again.data is not None and out.data is None
-        rows = read_columns(client, meta, [INPUT_IDS, REWARD])
-        assert torch.equal(rows[REWARD], out.rewards) and torch.equal(out.rewards, again.rewards)
-        task = opts.task()
-        for i, n in enumerate(meta.sequence_lengths or ()):
-            row = rows[INPUT_IDS][i][:n].tolist()
-            assert row == again.data[INPUT_IDS][i][:n].tolist()
-            assert out.rewards[i].item() == task.reward(row[:4], row[4:])
