@@ -72,16 +72,21 @@ class StepChecker:
         self.client = dataplane.connect(grpo_client.url)
         self.records: list[StepRecord] = []
         self.stored_fingerprints: dict[str, int] = {}
+        self.sampled_with: set[int] = set()  # weight_version tags of the rows trained in the current step
         self._train_chunk = policy.train_chunk
 
     def train_chunk(self, meta: Any, **kw: Any) -> Any:
         """The policy's train_chunk, after noting the rows the store holds for the chunk's keys."""
         ids = read_columns(self.client, meta, [INPUT_IDS])[INPUT_IDS]
         self.stored_fingerprints.update({k: row_fingerprint(ids[i]) for i, k in enumerate(meta.keys)})
+        self.sampled_with.update(t["weight_version"] for t in meta.tags)
         return self._train_chunk(meta, **kw)
 
     def on_step(self, record: StepRecord, grpo: GRPO) -> None:
         self.records.append(record)
+        if record.metrics:  # sampled with the weights of the step before: synced after every step
+            assert self.sampled_with == {record.version - 1}
+        self.sampled_with = set()
         assert not self.client.kv_list(record.partition_id).get(record.partition_id)  # nothing left behind
 
     def close(self) -> None:
@@ -146,6 +151,17 @@ def test_split_and_monolithic_steps_agree(cluster: grpo_tiny.Cluster, mooncake_o
     assert split["steps"][-1]["version"] >= 1  # something trained
     # chunks are sharded on their own: other row placements, other summation order -> rounding only
     assert split["param_norm"] == pytest.approx(mono["param_norm"], rel=1e-6)
+
+    import ray
+
+    policy = cluster.policy
+    version = policy.version
+    policy.begin(OPTS.grpo().loss())
+    policy.abort()  # an aborted step moves no version, on the driver or on any rank
+    policy.abort()  # idempotent
+    assert policy.version == version == mono["steps"][-1]["version"]
+    assert ray.get([a.version.remote() for a in policy.actors]) == [version] * len(policy.actors)
+    assert policy.param_digest().norm == mono["param_norm"]
 
 
 def test_the_run_is_loopback_only_and_memory_is_refused(cluster: grpo_tiny.Cluster) -> None:
