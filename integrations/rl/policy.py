@@ -131,7 +131,7 @@ def shard_tensors(data: TensorDictBase, shard: KVBatchMeta, fields: Sequence[str
     >>> data = TensorDict({"input_ids": torch.tensor([[1, 0, 0], [1, 2, 3], [1, 2, 0]])}, batch_size=[3])
     >>> shards = shard_meta_for_dp(m, 2)
     >>> [shard_tensors(data, s)["input_ids"].tolist() for s in shards]
-    [[[1, 2, 3]], [[1, 0, 0], [1, 2, 0]]]
+    [[[1, 0, 0], [1, 2, 0]], [[1, 2, 3]]]
     """
     rows = shard.extra_info.get("original_indices")
     if rows is None:

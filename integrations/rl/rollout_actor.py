@@ -63,7 +63,12 @@ def rollout_meta(
     pad_to_multiple: int = 1,
 ) -> KVBatchMeta:
     """The meta :func:`~dataplane.columns.first_write` returns for these rows, without writing them
-    (for a run without a data plane: the same keys, lengths, tags and plan inputs)."""
+    (for a run without a data plane: the same keys, lengths, tags and plan inputs).
+
+    >>> m = rollout_meta("p", ["u0"], 2, [5, 7], {"weight_version": 3})
+    >>> m.keys, m.sequence_lengths, m.tags[1]
+    (('u0_g0', 'u0_g1'), (5, 7), {'weight_version': 3, 'uid': 'u0', 'sample_idx': 1})
+    """
     keys = [f"{u}_g{i}" for u in uids for i in range(group_size)]
     row_tags = [{**tags, "uid": u, "sample_idx": i} for u in uids for i in range(group_size)]
     return KVBatchMeta(

@@ -263,3 +263,26 @@ def test_a_trainer_dying_mid_step_raises_a_typed_error_and_leaves_nothing(
     assert policy.broken is not None
     with pytest.raises(ActorFailure, match="shut down"):
         policy.logprobs(dataplane.KVBatchMeta(partition_id="p", keys=["a"], sequence_lengths=[1]))
+
+
+@pytest.mark.soak
+def test_the_example_command_learns(tmp_path: Any) -> None:
+    """The README's command as a user runs it (a fresh process: its own Ray and Mooncake), 20 steps."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "run.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "integrations.rl.examples.grpo_tiny", "--steps", "20", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["backend"] == "mooncake://local" and doc["transport"] == "dataplane" and len(doc["steps"]) == 20
+    first, last3 = doc["steps"][0]["reward_mean"], [s["reward_mean"] for s in doc["steps"][-3:]]
+    assert sum(last3) / 3 > first + 0.25, [s["reward_mean"] for s in doc["steps"]]
+    assert doc["bytes_get"] > 0 and doc["driver_bytes_get"] < 0.01 * doc["bytes_get"]
+    assert proc.stdout.count("step ") >= 20 and "reward" in proc.stdout.splitlines()[-2]

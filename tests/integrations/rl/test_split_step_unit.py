@@ -135,5 +135,13 @@ def test_doctests(name: str) -> None:
         assert result.attempted > 0, f"{name} has no runnable example; add one or list it in WITHOUT_EXAMPLES"
 
 
-# Package indexes and process-group glue (its examples need a process group: the docs show them as code).
-WITHOUT_EXAMPLES = {"integrations.rl.workers", "integrations.rl.workers.dtensor", "integrations.rl.workers.tiny"}
+# Package indexes, process-group glue and Ray glue (their examples need a process group or a Ray:
+# the docs show them as code, tests/integrations/rl/test_grpo.py runs them).
+WITHOUT_EXAMPLES = {
+    "integrations.rl.workers",
+    "integrations.rl.workers.dtensor",
+    "integrations.rl.workers.tiny",
+    "integrations.rl.examples",
+    "integrations.rl.examples.grpo_tiny",
+    "integrations.rl.weight_sync",
+}
