@@ -39,7 +39,7 @@ from torch import Tensor
 
 from dataplane import DataPlaneClient, InvalidArgument, KVBatchMeta
 from integrations.rl.advantages import group_advantages
-from integrations.rl.conventions import ADVANTAGES, PREV_LOGPROBS, REF_LOGPROBS, TAG_UID, token_mask
+from integrations.rl.conventions import ADVANTAGES, INPUT_IDS, PREV_LOGPROBS, REF_LOGPROBS, TAG_UID, token_mask
 from integrations.rl.losses import ClippedPolicyLoss, LossType
 from integrations.rl.metering import TrafficMeter, add_totals
 from integrations.rl.policy import ChunkResult, Policy, gather
@@ -230,9 +230,9 @@ class GRPO:
         before = self.traffic()
         driver_before = self.meter.totals()
         partition = f"{self.config.partition_prefix}-step{step}"
-        ro = self._call_rollout(self.rollout.rollout.remote(step, partition, write=not self.inline), "rollout")
-        t_rollout = time.perf_counter() - t0
-        try:
+        try:  # a rollout that failed may have written some rows: the clean-up clears them too
+            ro = self._call_rollout(self.rollout.rollout.remote(step, partition, write=not self.inline), "rollout")
+            t_rollout = time.perf_counter() - t0
             record = self._learn(step, partition, ro.meta, ro.rewards, ro.data)
         except BaseException:
             self._clean_up_failed(partition)
@@ -326,7 +326,7 @@ class GRPO:
         assert isinstance(out, Tensor)
         # what a write-back and a padded read give: the row's own tokens, zeros past its length
         lengths = torch.tensor(meta.sequence_lengths or (), dtype=torch.int64)
-        width = int(data.get(next(iter(data.keys()))).shape[1])
+        width = int(data[INPUT_IDS].shape[1])
         full = out.new_zeros(out.shape[0], max(width, int(out.shape[1])))
         full[:, : out.shape[1]] = out
         full = torch.where(token_mask(lengths, full.shape[1]), full, torch.zeros_like(full))

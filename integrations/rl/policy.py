@@ -245,10 +245,16 @@ class Policy:
         actors = [remote_cls.options(**opts).remote(r, world, threads=threads) for r in range(world)]
         policy = cls(actors, dp=dp, tp=tp, timeout_s=timeout_s, **options)
         first = actors[0]
-        address, port = policy._gather(
-            [first.node_address.remote(), first.free_port.remote()],  # type: ignore[attr-defined]
-            "rendezvous",
-        )
+        try:
+            address, port = policy._gather(
+                [first.node_address.remote(), first.free_port.remote()],  # type: ignore[attr-defined]
+                "rendezvous",
+            )
+        except ActorTimeout as e:
+            raise ActorTimeout(
+                f"{e}. An actor that never starts usually waits for resources: {world} actors x num_cpus={num_cpus}"
+                f" (num_gpus={num_gpus}) must fit Ray's free resources ({ray.available_resources()})"  # type: ignore[no-untyped-call]
+            ) from e
         policy._all(
             "init_process_group",
             lambda r, a: a.init_process_group.remote(address, port, backend=backend, timeout_s=pg_timeout_s),

@@ -21,6 +21,7 @@ Ray is imported only inside the methods that need it.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import socket
 from collections.abc import Callable, Mapping
@@ -103,6 +104,8 @@ class TrainerActor:
             raise InvalidArgument(f"rank {rank} must be in [0, {world})")
         self.rank, self.world = rank, world
         torch.set_num_threads(threads)
+        # Gathering TP x FSDP parameters for a weight sync takes two all-gathers, and torch warns each time.
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         self.workers: dict[str, DTensorRLWorkerMixin] = {}
         self.meter = TrafficMeter()
         self._client: Any = None

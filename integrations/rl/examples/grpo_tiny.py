@@ -96,19 +96,26 @@ class Cluster:
 
     @classmethod
     def start(cls, opts: Options) -> Cluster:
-        """Spawn ``dp * tp`` trainer actors and a rollout actor (Ray must be running)."""
+        """Spawn ``dp * tp`` trainer actors and a rollout actor (Ray must be running), each with an
+        equal share of Ray's free CPUs up to half a CPU (a Ray that ``tq://`` started keeps two for
+        TransferQueue)."""
         import ray
 
+        actors = opts.dp * opts.tp + 1
+        free = float(ray.available_resources().get("CPU", 0.0))  # type: ignore[no-untyped-call]
+        share = min(0.5, int(100 * free / actors) / 100)
+        if share < 0.01:
+            raise InvalidArgument(f"Ray has {free:g} free CPUs for {actors} actors; start Ray with more num_cpus")
         policy = Policy.spawn(
             opts.factories(),
             dp=opts.dp,
             tp=opts.tp,
-            num_cpus=0.5,
+            num_cpus=share,
             max_tokens_per_microbatch=opts.max_tokens_per_microbatch,
         )
         rollout = (
             ray.remote(RolloutActor)
-            .options(num_cpus=0.5)
+            .options(num_cpus=share)
             .remote(
                 opts.model(),
                 opts.task(),
