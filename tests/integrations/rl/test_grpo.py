@@ -202,38 +202,46 @@ def test_rollout_actor_writes_keys_tags_and_token_aligned_fields() -> None:
 
 
 def test_gather_names_who_failed_and_never_waits_past_its_timeout(cluster: grpo_tiny.Cluster) -> None:
-    """Plain Ray tasks stand in for a group's members (fractional CPUs: they fit beside the actors)."""
+    """Calls to one threaded actor stand in for a group's members (one process start, not one per call)."""
     import ray
 
     from integrations.rl.policy import ActorTimeout, gather
 
-    @ray.remote(num_cpus=0.1)
-    def member(behaviour: str) -> int:
-        if behaviour == "raise":
-            raise dataplane.KeyNotFound("row 'a' is gone")
-        if behaviour == "hang":
-            time.sleep(60)
-        return 1
+    class Member:
+        def call(self, behaviour: str) -> int:
+            if behaviour == "raise":
+                raise dataplane.KeyNotFound("row 'a' is gone")
+            if behaviour == "hang":
+                time.sleep(60)
+            return 1
 
+    actor = ray.remote(Member).options(num_cpus=0.01, max_concurrency=8).remote()
+    member = actor.call
     broken: list[str] = []
-    assert gather([member.remote("ok"), member.remote("ok")], timeout_s=30, what="call") == [1, 1]
-    with pytest.raises(dataplane.KeyNotFound, match="row 'a' is gone"):  # every member done: the typed error as is
-        gather([member.remote("raise"), member.remote("ok")], timeout_s=30, what="call")
-    t0 = time.monotonic()
-    with pytest.raises(ActorTimeout, match="rank 1 did not answer within 2 s"):
-        gather(
-            [member.remote("ok"), member.remote("hang")], timeout_s=2, what="call", on_broken=lambda: broken.append("t")
-        )
-    with pytest.raises(ActorFailure, match=r"rank 0 raised KeyNotFound.*rank 1 did not finish") as info:
-        gather(
-            [member.remote("raise"), member.remote("hang")],
-            timeout_s=30,
-            what="call",
-            grace_s=1,
-            on_broken=lambda: broken.append("f"),
-        )
-    assert isinstance(info.value.__cause__, dataplane.KeyNotFound)
-    assert time.monotonic() - t0 < 20 and broken == ["t", "f"]
+    try:
+        assert gather([member.remote("ok"), member.remote("ok")], timeout_s=60, what="call") == [1, 1]
+        with pytest.raises(dataplane.KeyNotFound, match="row 'a' is gone"):  # all done: the typed error as is
+            gather([member.remote("raise"), member.remote("ok")], timeout_s=30, what="call")
+        t0 = time.monotonic()
+        with pytest.raises(ActorTimeout, match="rank 1 did not answer within 2 s"):
+            gather(
+                [member.remote("ok"), member.remote("hang")],
+                timeout_s=2,
+                what="call",
+                on_broken=lambda: broken.append("t"),
+            )
+        with pytest.raises(ActorFailure, match=r"rank 0 raised KeyNotFound.*rank 1 did not finish") as info:
+            gather(
+                [member.remote("raise"), member.remote("hang")],
+                timeout_s=30,
+                what="call",
+                grace_s=1,
+                on_broken=lambda: broken.append("f"),
+            )
+        assert isinstance(info.value.__cause__, dataplane.KeyNotFound)
+        assert time.monotonic() - t0 < 20 and broken == ["t", "f"]
+    finally:
+        ray.kill(actor)
 
 
 def test_a_trainer_dying_mid_step_raises_a_typed_error_and_leaves_nothing(
