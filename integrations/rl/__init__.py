@@ -1,7 +1,11 @@
 """RL training on the data plane: token-aligned conventions, advantage math, losses, the split train
 step, and worker glue for FSDP2/DTensor trainers (:mod:`integrations.rl.workers`).
 
-Only public ``dataplane`` names are used; Ray is never imported here. See ``docs/rl.md``.
+Synchronous GRPO over Ray actors lives in :mod:`integrations.rl.grpo` (driver),
+:mod:`integrations.rl.policy` (the handle on a trainer group), :mod:`integrations.rl.trainer_actor`,
+:mod:`integrations.rl.rollout_actor` and :mod:`integrations.rl.weight_sync`; a runnable example in
+:mod:`integrations.rl.examples.grpo_tiny`. Only public ``dataplane`` names are used; Ray is never
+imported here, and those modules import it only where a call needs it. See ``docs/rl.md``.
 
 >>> import torch
 >>> from integrations.rl import group_advantages

@@ -244,6 +244,17 @@ def test_gather_names_who_failed_and_never_waits_past_its_timeout(cluster: grpo_
         ray.kill(actor)
 
 
+def test_init_local_ray_checks_its_arguments_and_leaves_a_running_ray_alone(cluster: grpo_tiny.Cluster) -> None:
+    from dataplane.local_ray import init_local_ray
+
+    for bad in (0, 1.5, True):
+        with pytest.raises(dataplane.InvalidArgument, match="num_cpus"):
+            init_local_ray(bad)  # type: ignore[arg-type]
+    with pytest.raises(dataplane.InvalidArgument, match="sets address itself"):
+        init_local_ray(2, address="auto")
+    assert init_local_ray(2) is False  # the module's Ray runs already: nothing changes
+
+
 def test_a_trainer_dying_mid_step_raises_a_typed_error_and_leaves_nothing(
     cluster: grpo_tiny.Cluster, mooncake_owner: Any, monkeypatch: Any
 ) -> None:
