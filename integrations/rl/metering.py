@@ -38,6 +38,17 @@ class TrafficMeter:
         """``client`` wrapped so that each of its calls is counted here (closing the wrapper closes it)."""
         return ObservedClient(client, callback=self.record)
 
+    def reconnect(self, current: DataPlaneClient | None, url: str | None) -> ObservedClient | None:
+        """Close ``current`` (a client this process opened, or None) and return a counted client of
+        ``url`` (a ``client.url``), or None when ``url`` is None."""
+        if current is not None:
+            current.close()
+        if url is None:
+            return None
+        import dataplane
+
+        return self.wrap(dataplane.connect(url))
+
     def record(self, event: CallEvent) -> None:
         """Count one finished call (the :class:`~dataplane.observability.ObservedClient` callback)."""
         with self._lock:

@@ -127,13 +127,7 @@ class RolloutActor:
 
     def connect(self, url: str | None) -> None:
         """Write to the data plane at ``url`` (a ``client.url``), or nowhere (``None``: return the tensors)."""
-        if self._client is not None:
-            self._client.close()
-            self._client = None
-        if url is not None:
-            import dataplane
-
-            self._client = self.meter.wrap(dataplane.connect(url))
+        self._client = self.meter.reconnect(self._client, url)
 
     def close(self) -> None:
         self.connect(None)

@@ -154,13 +154,9 @@ class TrainerActor:
 
     def connect(self, url: str | None) -> None:
         """Use the data plane at ``url`` (a joinable ``client.url``), or none (``None``: inline only)."""
-        if self._client is not None:
-            self._client.close()
-            self._client = None
-        if url is not None:
-            import dataplane
-
-            self._client = self.meter.wrap(dataplane.connect(url))
+        for worker in self.workers.values():
+            worker.close_data_plane()  # before the client they use closes
+        self._client = self.meter.reconnect(self._client, url)
         self._attach()
 
     def _attach(self) -> None:
@@ -171,11 +167,7 @@ class TrainerActor:
 
     def close(self) -> None:
         """Close the data-plane client (the process group stays until the actor exits)."""
-        for worker in self.workers.values():
-            worker.close_data_plane()
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        self.connect(None)
 
     # -- work ------------------------------------------------------------------------------------
     def _worker(self, model: str) -> DTensorRLWorkerMixin:
