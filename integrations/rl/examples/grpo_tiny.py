@@ -311,11 +311,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     first, last3 = doc["steps"][0]["reward_mean"], doc["steps"][-3:]
     tail = sum(s["reward_mean"] for s in last3) / len(last3)
-    share = doc["driver_bytes_get"] / doc["bytes_get"] if doc["bytes_get"] else 0.0
+    if opts.transport == "inline":
+        moved = "no data plane: the tensors went through the driver"
+    else:
+        share = doc["driver_bytes_get"] / doc["bytes_get"] if doc["bytes_get"] else 0.0
+        moved = f"the driver read {doc['driver_bytes_get']} of the {doc['bytes_get']} bytes read ({share:.2%})"
     print(
         f"reward {first:.3f} -> {tail:.3f} (mean of the last {len(last3)} steps) in {doc['total_seconds']:.1f} s; "
-        f"params sha256 {doc['param_sha256'][:16]}..., norm {doc['param_norm']:.6f}; "
-        f"the driver read {doc['driver_bytes_get']} of {doc['bytes_get']} bytes ({share:.2%})"
+        f"params sha256 {doc['param_sha256'][:16]}..., norm {doc['param_norm']:.6f}; {moved}"
     )
     if opts.json:
         print(f"wrote {opts.json}")
