@@ -37,7 +37,7 @@ from torch import Tensor
 
 from dataplane import DataPlaneError, DataPlaneTimeout, InvalidArgument, KVBatchMeta
 from dataplane.preshard import restore_order, shard_meta_for_dp
-from integrations.rl.conventions import INPUT_IDS, PREV_LOGPROBS
+from integrations.rl.conventions import INPUT_IDS, PREV_LOGPROBS, VALUES
 from integrations.rl.split_step import TrainStepError
 from integrations.rl.trainer_actor import ChunkReport, ParamDigest, TrainerActor, WorkerFactory
 
@@ -203,8 +203,8 @@ class Policy:
         self.timeout_s = float(timeout_s)
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         self.equal_rows = equal_rows
-        self.version = 0
-        self._open: Any = None  # the loss of the open step
+        self.versions: dict[str, int] = {}  # model -> finished steps
+        self._open: dict[str, Any] = {}  # model -> the loss of its open step
         self._broken: str | None = None
 
     # -- construction ------------------------------------------------------------------------------
@@ -266,9 +266,12 @@ class Policy:
 
     def build(self, factories: Mapping[str, WorkerFactory]) -> None:
         """(Re)build every rank's workers from ``factories``: fresh weights, optimizer state, version 0."""
-        self._require_closed("build")
+        if self._open:
+            raise TrainStepError(
+                f"build() with train steps of {sorted(self._open)} open; finish() or abort() them first"
+            )
         self._all("build", lambda r, a: a.build.remote(dict(factories)))
-        self.version = 0
+        self.versions = {}
 
     def connect(self, url: str | None) -> None:
         """Point every rank at the data plane ``url`` (a ``client.url``), or at none (inline only)."""
@@ -285,9 +288,21 @@ class Policy:
             raise ActorFailure(f"{what}: this group was shut down ({self._broken}); spawn a new one")
         return self._gather([call(r, a) for r, a in enumerate(self.actors)], what)
 
-    def _require_closed(self, what: str) -> None:
-        if self._open is not None:
-            raise TrainStepError(f"{what}() with a train step open; finish() or abort() it first")
+    @property
+    def version(self) -> int:
+        """Finished steps of the ``"policy"`` model (``versions`` has every model's)."""
+        return self.versions.get("policy", 0)
+
+    def _require_closed(self, what: str, model: str) -> None:
+        if model in self._open:
+            raise TrainStepError(f"{what}() with a train step of {model!r} open; finish() or abort() it first")
+
+    def _require_open(self, what: str, model: str) -> Any:
+        if model not in self._open:
+            raise TrainStepError(
+                f"{what}() needs an open step of {model!r}; call begin(loss_fn, model={model!r}) first"
+            )
+        return self._open[model]
 
     def shard(self, meta: KVBatchMeta) -> list[KVBatchMeta]:
         """The DP shards of ``meta`` (one per DP rank), as every call here makes them."""
@@ -331,63 +346,90 @@ class Policy:
             without ``data``: ``meta`` with ``out_field`` added (the replica leaders wrote it);
             with ``data``: a ``[rows, pad_to_length]`` float32 tensor in ``meta``'s row order.
         """
+        return self._forward("logprobs", meta, out_field, model, data)
+
+    def values(
+        self,
+        meta: KVBatchMeta,
+        out_field: str = VALUES,
+        *,
+        model: str = "value",
+        data: TensorDictBase | None = None,
+    ) -> KVBatchMeta | Tensor:
+        """Token-aligned values ``V(s_t)`` of ``meta``'s rows under the value model ``model``; returns
+        like :meth:`logprobs`."""
+        return self._forward("values", meta, out_field, model, data)
+
+    def _forward(
+        self, kind: str, meta: KVBatchMeta, out_field: str, model: str, data: TensorDictBase | None
+    ) -> KVBatchMeta | Tensor:
         shards = self.shard(meta)
         payloads = self._payloads(data, shards, [INPUT_IDS])
         out = self._leaders(
             self._all(
-                f"logprobs({model})",
-                lambda r, a: a.logprobs.remote(model, shards[r // self.tp], out_field, payloads[r // self.tp]),
+                f"{kind}({model})",
+                lambda r, a: getattr(a, kind).remote(model, shards[r // self.tp], out_field, payloads[r // self.tp]),
             )
         )
         if data is not None:
             return restore_order(out, shards)  # type: ignore[no-any-return]
         for d, (written, shard) in enumerate(zip(out, shards, strict=True)):
             if shard.size and (not isinstance(written, KVBatchMeta) or written.keys != shard.keys):
-                raise DataPlaneError(f"logprobs({model}): DP rank {d}'s leader wrote no meta for its shard")
+                raise DataPlaneError(f"{kind}({model}): DP rank {d}'s leader wrote no meta for its shard")
         return meta.with_fields([out_field])
 
-    def train(self, meta: KVBatchMeta, loss_fn: Any, *, data: TensorDictBase | None = None) -> TrainResult:
-        """One whole optimizer step on ``meta``'s rows (``begin``, all planned microbatches, ``finish``
-        in one call per rank)."""
-        self._require_closed("train")
+    def train(
+        self, meta: KVBatchMeta, loss_fn: Any, *, data: TensorDictBase | None = None, model: str = "policy"
+    ) -> TrainResult:
+        """One whole optimizer step of ``model`` on ``meta``'s rows (``begin``, all planned
+        microbatches, ``finish`` in one call per rank)."""
+        self._require_closed("train", model)
         shards = self.shard(meta)
         payloads = self._payloads(data, shards, _train_fields(loss_fn))
-        out = self._all("train", lambda r, a: a.train.remote(shards[r // self.tp], loss_fn, payloads[r // self.tp]))
-        self.version += 1
+        out = self._all(
+            f"train({model})", lambda r, a: a.train.remote(shards[r // self.tp], loss_fn, payloads[r // self.tp], model)
+        )
+        self.versions[model] = self.versions.get(model, 0) + 1
         leaders = self._leaders(out)
         return TrainResult(
-            metrics=leaders[0][1], chunk=ChunkResult(shards, [rep for rep, _ in leaders]), version=self.version
+            metrics=leaders[0][1], chunk=ChunkResult(shards, [rep for rep, _ in leaders]), version=self.versions[model]
         )
 
-    def begin(self, loss_fn: Any) -> None:
-        """Open a split step on every rank (one open step at a time)."""
-        self._require_closed("begin")
-        self._all("begin", lambda r, a: a.begin.remote(loss_fn))
-        self._open = loss_fn
+    def begin(self, loss_fn: Any, *, model: str = "policy") -> None:
+        """Open a split step of ``model`` on every rank (one open step per model at a time)."""
+        self._require_closed("begin", model)
+        self._all(f"begin({model})", lambda r, a: a.begin.remote(loss_fn, model))
+        self._open[model] = loss_fn
 
-    def train_chunk(self, meta: KVBatchMeta, *, data: TensorDictBase | None = None) -> ChunkResult:
-        """Train ``meta``'s rows into the open step (sharded on their own: a chunk is a small batch)."""
-        if self._open is None:
-            raise TrainStepError("train_chunk() needs an open step; call begin(loss_fn) first")
+    def train_chunk(
+        self, meta: KVBatchMeta, *, data: TensorDictBase | None = None, model: str = "policy"
+    ) -> ChunkResult:
+        """Train ``meta``'s rows into ``model``'s open step (sharded on their own: a chunk is a small batch)."""
+        loss_fn = self._require_open("train_chunk", model)
         shards = self.shard(meta)
-        payloads = self._payloads(data, shards, _train_fields(self._open))
-        out = self._all("train_chunk", lambda r, a: a.train_chunk.remote(shards[r // self.tp], payloads[r // self.tp]))
+        payloads = self._payloads(data, shards, _train_fields(loss_fn))
+        out = self._all(
+            f"train_chunk({model})",
+            lambda r, a: a.train_chunk.remote(shards[r // self.tp], payloads[r // self.tp], model),
+        )
         return ChunkResult(shards, self._leaders(out))
 
-    def finish(self) -> dict[str, float]:
-        """Finish the open step on every rank; its metrics (the leader's: every rank has the same)."""
-        if self._open is None:
-            raise TrainStepError("finish() needs an open step; call begin(loss_fn) first")
-        out = self._all("finish", lambda r, a: a.finish.remote())
-        self._open = None
-        self.version += 1
+    def finish(self, *, model: str = "policy") -> dict[str, float]:
+        """Finish ``model``'s open step on every rank; its metrics (the leader's: every rank has the same)."""
+        self._require_open("finish", model)
+        out = self._all(f"finish({model})", lambda r, a: a.finish.remote(model))
+        del self._open[model]
+        self.versions[model] = self.versions.get(model, 0) + 1
         return out[0]  # type: ignore[no-any-return]
 
-    def abort(self) -> None:
-        """Drop the open step on every rank (idempotent); the version does not move."""
-        self._open = None
+    def abort(self, *, model: str | None = None) -> None:
+        """Drop ``model``'s open step (None: every open step) on every rank (idempotent); no version moves."""
+        if model is None:
+            self._open.clear()
+        else:
+            self._open.pop(model, None)
         if self._broken is None:
-            self._all("abort", lambda r, a: a.abort.remote())
+            self._all(f"abort({model or 'all'})", lambda r, a: a.abort.remote(model))
 
     # -- weights -------------------------------------------------------------------------------------
     def state_dict_ref(self, model: str = "policy") -> Any:
@@ -415,7 +457,7 @@ class Policy:
 
         if self._broken is None:
             self._broken = reason
-        self._open = None
+        self._open = {}
         for actor in self.actors:
             try:
                 ray.kill(actor, no_restart=True)

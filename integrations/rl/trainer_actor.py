@@ -35,7 +35,7 @@ from tensordict import TensorDictBase
 from torch import Tensor
 
 from dataplane import InvalidArgument, KVBatchMeta
-from integrations.rl.conventions import INPUT_IDS, PREV_LOGPROBS
+from integrations.rl.conventions import INPUT_IDS, PREV_LOGPROBS, VALUES
 from integrations.rl.metering import TrafficMeter
 from integrations.rl.split_step import TrainStepError
 from integrations.rl.workers.dtensor import DTensorRLWorkerMixin, full_parameters
@@ -194,6 +194,17 @@ class TrainerActor:
         out = worker.forward_logprobs(self._local(worker, data), shard)
         return out if worker.is_writeback_leader() else None
 
+    def values(
+        self, model: str, shard: KVBatchMeta, out_field: str = VALUES, data: TensorDictBase | None = None
+    ) -> KVBatchMeta | Tensor | None:
+        """Token-aligned values ``V(s_t)`` of the shard's rows under the value model ``model``; written
+        back or returned like :meth:`logprobs`."""
+        worker = self._worker(model)
+        if data is None:
+            return worker.get_values_presharded(shard, out_field)
+        out = worker.forward_values(self._local(worker, data), shard)
+        return out if worker.is_writeback_leader() else None
+
     def begin(self, loss_fn: Any, model: str = "policy") -> None:
         """Open a train step of ``model`` with ``loss_fn``."""
         self._worker(model).begin_train_step(loss_fn)
@@ -225,9 +236,11 @@ class TrainerActor:
         """Finish the open step (normalise, clip, step); its metrics, the same on every rank."""
         return self._worker(model).finish_train_step()
 
-    def abort(self, model: str = "policy") -> None:
-        """Drop the open step, if any (idempotent): parameters, optimizer state and version untouched."""
-        self._worker(model).abort_train_step()
+    def abort(self, model: str | None = "policy") -> None:
+        """Drop ``model``'s open step (None: every model's), if any (idempotent): parameters, optimizer
+        state and version untouched."""
+        for worker in self.workers.values() if model is None else [self._worker(model)]:
+            worker.abort_train_step()
 
     def train(
         self, shard: KVBatchMeta, loss_fn: Any, data: TensorDictBase | None = None, model: str = "policy"

@@ -32,10 +32,11 @@ from typing import Any, Literal
 
 import dataplane
 from dataplane import DataPlaneClient, InvalidArgument
-from integrations.rl.grpo import GRPO, GRPOConfig, StepRecord
+from integrations.rl.grpo import GRPO, GRPOConfig
 from integrations.rl.policy import Policy, gather
 from integrations.rl.rollout import CountingTask
 from integrations.rl.rollout_actor import RolloutActor
+from integrations.rl.sync_loop import StepRecord
 from integrations.rl.workers.model import TinyConfig
 from integrations.rl.workers.tiny import TinyDTensorWorker
 

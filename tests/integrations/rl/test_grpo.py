@@ -21,8 +21,9 @@ import dataplane
 from dataplane.columns import read_columns
 from integrations.rl.conventions import INPUT_IDS, REWARD
 from integrations.rl.examples import grpo_tiny
-from integrations.rl.grpo import GRPO, StepRecord
+from integrations.rl.grpo import GRPO
 from integrations.rl.policy import ActorFailure
+from integrations.rl.sync_loop import StepRecord
 from integrations.rl.trainer_actor import row_fingerprint
 
 pytest.importorskip("ray", reason="needs Ray: pip install 'dataplane[tq]'")

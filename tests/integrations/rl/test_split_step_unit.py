@@ -144,4 +144,5 @@ WITHOUT_EXAMPLES = {
     "integrations.rl.examples",
     "integrations.rl.examples.grpo_tiny",
     "integrations.rl.weight_sync",
+    "integrations.rl.sync_loop",
 }
