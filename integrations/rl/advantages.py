@@ -15,7 +15,7 @@ from torch import Tensor
 
 from dataplane import InvalidArgument
 
-__all__ = ["gae", "group_advantages", "right_shift"]
+__all__ = ["explained_variance", "gae", "group_advantages", "right_shift", "sequence_gae", "value_fit_sums"]
 
 _JAGGED_HINT = "build one with torch.nested.nested_tensor(rows, layout=torch.jagged)"
 
@@ -212,3 +212,90 @@ def gae(token_rewards: Tensor, values: Tensor, *, gamma: float, lam: float) -> t
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=r.device)
     torch.cumsum(lengths.to(r.device), 0, out=offsets[1:])
     return _jag(adv[mask], offsets), _jag((adv + v)[mask], offsets)
+
+
+def _rows(padded: Tensor, lengths: Tensor) -> Tensor:
+    return torch.nested.nested_tensor(
+        [padded[i, : int(n)] for i, n in enumerate(lengths.tolist())], layout=torch.jagged
+    )
+
+
+def sequence_gae(
+    values: Tensor, loss_mask: Tensor, rewards: Tensor, lengths: Tensor, *, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """PPO advantages for sequence rewards on right-padded rows: the reward on each row's last
+    generated token (the last with ``loss_mask != 0``), then :func:`gae` per row.
+
+    Args:
+        values: ``[B, W]`` token-aligned values ``V(s_t)`` (zeros past each row).
+        loss_mask: ``[B, W]``, non-zero on generated tokens.
+        rewards: ``[B]`` one reward per row (a row with no generated token gets none).
+        lengths: ``[B]`` row lengths (``<= W``).
+        gamma, lam: as for :func:`gae`.
+
+    Returns:
+        ``(advantages, returns)``, ``[B, W]`` float32 (at least), zeros past each row's length. A row's
+        result depends on that row alone, bit for bit, whatever else is in the batch.
+
+    Example:
+        >>> import torch
+        >>> adv, ret = sequence_gae(torch.tensor([[0.0, 0.5, 0.5, 0.0]]), torch.tensor([[0, 1, 1, 0]]),
+        ...                         torch.tensor([1.0]), torch.tensor([3]), gamma=1.0, lam=1.0)
+        >>> adv.tolist(), ret.tolist()
+        ([[1.0, 0.5, 0.5, 0.0]], [[1.0, 1.0, 1.0, 0.0]])
+    """
+    b, w = values.shape
+    if loss_mask.shape != (b, w) or rewards.shape != (b,) or lengths.shape != (b,):
+        raise InvalidArgument(
+            f"need values and loss_mask [B, W], rewards and lengths [B]; got {tuple(values.shape)}, "
+            f"{tuple(loss_mask.shape)}, {tuple(rewards.shape)}, {tuple(lengths.shape)}"
+        )
+    lengths = lengths.to(torch.int64)
+    if b and (int(lengths.min()) < 1 or int(lengths.max()) > w):
+        raise InvalidArgument(f"lengths must lie in [1, W={w}], got {lengths.tolist()}")
+    dtype = torch.promote_types(values.dtype, torch.float32)
+    generated = (loss_mask != 0) & (torch.arange(w) < lengths[:, None])
+    last = torch.where(generated, torch.arange(w), -1).max(dim=1).values if w else torch.full((b,), -1)
+    token_rewards = torch.zeros(b, w, dtype=dtype)
+    has = last >= 0
+    token_rewards[has, last[has]] = rewards[has].to(dtype)
+    if b == 0:
+        return torch.zeros(0, w, dtype=dtype), torch.zeros(0, w, dtype=dtype)
+    adv, ret = gae(_rows(token_rewards, lengths), _rows(values.to(dtype), lengths), gamma=gamma, lam=lam)
+    mask = torch.arange(w) < lengths[:, None]
+    out_adv, out_ret = torch.zeros(b, w, dtype=dtype), torch.zeros(b, w, dtype=dtype)
+    out_adv[mask] = adv.values()
+    out_ret[mask] = ret.values()
+    return out_adv, out_ret
+
+
+def value_fit_sums(values: Tensor, returns: Tensor, loss_mask: Tensor) -> dict[str, float]:
+    """Sums over the trained tokens (``loss_mask != 0``, position 0 excluded) from which
+    :func:`explained_variance` follows; add the sums of several shards before calling it."""
+    mask = loss_mask != 0
+    mask[:, :1] = False
+    r = returns[mask].double()
+    d = r - values[mask].double()
+    return {
+        "count": float(mask.sum()),
+        "returns": float(r.sum()),
+        "returns_sq": float((r * r).sum()),
+        "residual": float(d.sum()),
+        "residual_sq": float((d * d).sum()),
+    }
+
+
+def explained_variance(sums: dict[str, float]) -> float:
+    """``1 - Var(returns - values) / Var(returns)`` from :func:`value_fit_sums` (NaN without spread).
+
+    >>> import torch
+    >>> m = torch.tensor([[0, 1, 1, 1]])
+    >>> round(explained_variance(value_fit_sums(torch.tensor([[0.0, 1.0, 2.0, 3.0]]), torch.tensor([[0.0, 1.0, 2.0, 4.0]]), m)), 4)
+    0.8571
+    """
+    n = sums["count"]
+    if n < 1:
+        return float("nan")
+    var_r = sums["returns_sq"] / n - (sums["returns"] / n) ** 2
+    var_d = sums["residual_sq"] / n - (sums["residual"] / n) ** 2
+    return float("nan") if var_r <= 0 else 1.0 - var_d / var_r

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from dataplane import DataPlaneError, DataPlaneTimeout, InvalidArgument, KVBatchMeta
 from dataplane.preshard import restore_order, shard_meta_for_dp
-from integrations.rl.conventions import INPUT_IDS, PREV_LOGPROBS, VALUES
+from integrations.rl.conventions import ADVANTAGES, INPUT_IDS, PREV_LOGPROBS, RETURNS, VALUES
 from integrations.rl.split_step import TrainStepError
 from integrations.rl.trainer_actor import ChunkReport, ParamDigest, TrainerActor, WorkerFactory
 
@@ -377,6 +377,27 @@ class Policy:
             if shard.size and (not isinstance(written, KVBatchMeta) or written.keys != shard.keys):
                 raise DataPlaneError(f"{kind}({model}): DP rank {d}'s leader wrote no meta for its shard")
         return meta.with_fields([out_field])
+
+    def sequence_gae(
+        self, meta: KVBatchMeta, *, gamma: float, lam: float, model: str = "value"
+    ) -> tuple[KVBatchMeta, dict[str, float]]:
+        """PPO's advantage stage on the trainers: each DP shard's leader reads ``values``, ``loss_mask``
+        and ``reward``, runs :func:`~integrations.rl.advantages.sequence_gae` and writes ``advantages``
+        and ``returns`` back. Returns ``meta`` with both fields and the batch's
+        :func:`~integrations.rl.advantages.value_fit_sums`."""
+        shards = self.shard(meta)
+        out = self._leaders(
+            self._all(
+                f"sequence_gae({model})", lambda r, a: a.sequence_gae.remote(shards[r // self.tp], gamma, lam, model)
+            )
+        )
+        sums: dict[str, float] = {}
+        for d, ((written, part), shard) in enumerate(zip(out, shards, strict=True)):
+            if shard.size and (not isinstance(written, KVBatchMeta) or written.keys != shard.keys):
+                raise DataPlaneError(f"sequence_gae: DP rank {d}'s leader wrote no meta for its shard")
+            for k, v in part.items():
+                sums[k] = sums.get(k, 0.0) + v
+        return meta.with_fields([ADVANTAGES, RETURNS]), sums
 
     def train(
         self, meta: KVBatchMeta, loss_fn: Any, *, data: TensorDictBase | None = None, model: str = "policy"

@@ -35,7 +35,8 @@ from tensordict import TensorDictBase
 from torch import Tensor
 
 from dataplane import InvalidArgument, KVBatchMeta
-from integrations.rl.conventions import INPUT_IDS, PREV_LOGPROBS, VALUES
+from integrations.rl.advantages import sequence_gae, value_fit_sums
+from integrations.rl.conventions import ADVANTAGES, INPUT_IDS, LOSS_MASK, PREV_LOGPROBS, RETURNS, REWARD, VALUES
 from integrations.rl.metering import TrafficMeter
 from integrations.rl.split_step import TrainStepError
 from integrations.rl.workers.dtensor import DTensorRLWorkerMixin, full_parameters
@@ -204,6 +205,25 @@ class TrainerActor:
             return worker.get_values_presharded(shard, out_field)
         out = worker.forward_values(self._local(worker, data), shard)
         return out if worker.is_writeback_leader() else None
+
+    def sequence_gae(
+        self, shard: KVBatchMeta, gamma: float, lam: float, model: str = "value"
+    ) -> tuple[KVBatchMeta | None, dict[str, float]]:
+        """PPO's advantage stage on this shard: read ``values``, ``loss_mask`` and ``reward``, run
+        :func:`~integrations.rl.advantages.sequence_gae`, write ``advantages`` and ``returns`` back
+        (the replica leader). Returns the written meta (None on siblings) and the shard's
+        :func:`~integrations.rl.advantages.value_fit_sums` (zeros on siblings: add the leaders')."""
+        worker = self._worker(model)
+        data = worker.fetch_agreed(shard, [VALUES, LOSS_MASK, REWARD])  # every rank: a sibling's read is a broadcast
+        if not worker.is_writeback_leader():
+            return None, value_fit_sums(torch.zeros(0, 1), torch.zeros(0, 1), torch.zeros(0, 1))
+        if shard.size == 0:
+            return shard, value_fit_sums(torch.zeros(0, 1), torch.zeros(0, 1), torch.zeros(0, 1))
+        lengths = torch.tensor(shard.sequence_lengths or (), dtype=torch.int64)
+        values, mask = data[VALUES].cpu(), data[LOSS_MASK].cpu()
+        adv, ret = sequence_gae(values, mask, data[REWARD].cpu(), lengths, gamma=gamma, lam=lam)
+        written = worker.write_back(shard, {ADVANTAGES: adv, RETURNS: ret}, token_fields=[ADVANTAGES, RETURNS])
+        return written, value_fit_sums(values, ret, mask)
 
     def begin(self, loss_fn: Any, model: str = "policy") -> None:
         """Open a train step of ``model`` with ``loss_fn``."""

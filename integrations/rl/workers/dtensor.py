@@ -117,9 +117,14 @@ class DTensorRLWorkerMixin(SplitTrainStepMixin, DeviceMeshReplicaMixin, DataPlan
         forward_micro_batch_size: rows per forward when a meta carries no microbatch plan (None:
             the whole shard at once).
         train_micro_batch_size: rows per train microbatch when a meta carries no plan.
+        value_shift: store ``V(s_t)`` at position t, the output at t-1 shifted right (the convention,
+            and what PPO needs). False keeps the output at t where it is (V after seeing token t,
+            one token late): the misalignment a PPO port paid ~10 points of reward for, kept only as
+            an ablation switch.
     """
 
     logprob_temperature: float = 1.0
+    value_shift: bool = True
     forward_micro_batch_size: int | None = None
     train_micro_batch_size: int | None = None
 
@@ -145,7 +150,8 @@ class DTensorRLWorkerMixin(SplitTrainStepMixin, DeviceMeshReplicaMixin, DataPlan
 
     def token_values_of(self, input_ids: Tensor) -> Tensor:
         """Token-aligned values ``[B, T]``: ``V(s_t)``, predicted before token t (position 0 holds 0)."""
-        return shift_to_tokens(self.value_predictions(input_ids))
+        out = self.value_predictions(input_ids)
+        return shift_to_tokens(out) if self.value_shift else out
 
     # -- split-step hooks ------------------------------------------------------------------------
     def train_dp_group(self) -> Any | None:

@@ -36,6 +36,7 @@ class TinyDTensorWorker(DTensorRLWorkerMixin):
         max_grad_norm: clip bound of the split step (None: measure only).
         seed: initial weights.
         device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL; the current device).
+        value_shift: see :class:`~integrations.rl.workers.dtensor.DTensorRLWorkerMixin` (an ablation switch).
     """
 
     def __init__(
@@ -50,6 +51,7 @@ class TinyDTensorWorker(DTensorRLWorkerMixin):
         max_grad_norm: float | None = 1.0,
         seed: int = 0,
         device: str = "cpu",
+        value_shift: bool = True,
     ) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -75,6 +77,7 @@ class TinyDTensorWorker(DTensorRLWorkerMixin):
         else:
             raise InvalidArgument(f"optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
         self.max_grad_norm = max_grad_norm
+        self.value_shift = value_shift
 
     def state(self) -> dict[str, Any]:
         """Whole parameters and optimizer state on the CPU (a collective: call on every rank)."""
