@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 
 from dataplane import InvalidArgument
 from integrations.rl import conventions as c
-from integrations.rl.advantages import gae, group_advantages, right_shift
+from integrations.rl.advantages import (
+    explained_variance,
+    gae,
+    group_advantages,
+    right_shift,
+    sequence_gae,
+    value_fit_sums,
+)
 
 jagged_lengths = st.lists(st.integers(1, 64), min_size=1, max_size=32)
 seeds = st.integers(0, 2**31 - 1)
@@ -200,6 +207,58 @@ def test_no_value_crosses_rows(lengths: list[int], seed: int, gamma: float, lam:
         for j, (a, b) in enumerate(zip(x.unbind(), y.unbind(), strict=True)):
             if j != i:
                 assert torch.equal(a, b), j
+
+
+@given(
+    lengths=st.lists(st.integers(2, 40), min_size=1, max_size=16),
+    prompt=st.integers(1, 8),
+    pad=st.integers(0, 5),
+    seed=seeds,
+    gamma=unit,
+    lam=unit,
+)
+def test_sequence_gae_matches_a_scalar_loop_per_row(
+    lengths: list[int], prompt: int, pad: int, seed: int, gamma: float, lam: float
+) -> None:
+    """The reward lands on each row's last generated token; then GAE per row; padding (any width)
+    stays 0 and changes nothing, bit for bit."""
+    g = torch.Generator().manual_seed(seed)
+    b, w = len(lengths), max(lengths) + pad
+    lengths_t = torch.tensor(lengths)
+    starts = torch.clamp(torch.tensor([min(prompt, n - 1) for n in lengths]), min=1)
+    pos = torch.arange(w)
+    mask = ((pos >= starts[:, None]) & (pos < lengths_t[:, None])).long()
+    values = torch.randn(b, w, generator=g) * (pos < lengths_t[:, None])
+    rewards = torch.randn(b, generator=g)
+    adv, ret = sequence_gae(values, mask, rewards, lengths_t, gamma=gamma, lam=lam)
+    for i, n in enumerate(lengths):
+        r = [0.0] * n
+        r[n - 1] = float(rewards[i])  # the last generated token is the row's last token here
+        want_a, want_r = ref_gae(r, values[i, :n].double().tolist(), gamma, lam)
+        torch.testing.assert_close(adv[i, :n].double(), torch.tensor(want_a, dtype=torch.float64), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ret[i, :n].double(), torch.tensor(want_r, dtype=torch.float64), rtol=1e-5, atol=1e-5)
+        assert not adv[i, n:].any() and not ret[i, n:].any()
+    narrow = max(lengths)  # the same rows at another width, and each row alone: the same bits
+    a2, r2 = sequence_gae(values[:, :narrow], mask[:, :narrow], rewards, lengths_t, gamma=gamma, lam=lam)
+    assert torch.equal(a2, adv[:, :narrow]) and torch.equal(r2, ret[:, :narrow])
+    a3, _ = sequence_gae(values[-1:], mask[-1:], rewards[-1:], lengths_t[-1:], gamma=gamma, lam=lam)
+    assert torch.equal(a3[0], adv[-1])
+
+
+def test_explained_variance_of_sums() -> None:
+    returns = torch.tensor([[0.0, 1.0, 2.0, 4.0], [0.0, 3.0, 0.0, 0.0]])
+    mask = torch.tensor([[0, 1, 1, 1], [0, 1, 0, 0]])
+    values = returns.clone()
+    assert explained_variance(value_fit_sums(values, returns, mask)) == 1.0  # a perfect fit
+    noisy = values + torch.tensor([[9.0, 0.5, -0.5, 0.0], [9.0, 0.0, 9.0, 9.0]])  # unmasked noise is ignored
+    r = torch.tensor([1.0, 2.0, 4.0, 3.0])
+    d = torch.tensor([-0.5, 0.5, 0.0, 0.0])
+    want = 1 - d.var(unbiased=False) / r.var(unbiased=False)
+    assert explained_variance(value_fit_sums(noisy, returns, mask)) == pytest.approx(float(want))
+    halves = [value_fit_sums(noisy[i : i + 1], returns[i : i + 1], mask[i : i + 1]) for i in range(2)]
+    summed = {k: halves[0][k] + halves[1][k] for k in halves[0]}  # shards add up
+    assert explained_variance(summed) == pytest.approx(float(want))
+    assert math.isnan(explained_variance(value_fit_sums(values, torch.ones_like(returns), mask)))
 
 
 def test_gae_validation() -> None:
