@@ -174,6 +174,13 @@ def _machine() -> dict[str, Any]:
     }
 
 
+def _value_digest(policy: Policy, opts: Options) -> dict[str, Any]:
+    if opts.algorithm != "ppo":
+        return {}
+    digest = policy.param_digest("value")
+    return {"value_param_sha256": digest.sha256, "value_param_norm": digest.norm}
+
+
 def _bar(done: int, total: int, width: int = 24) -> str:
     filled = width * done // total
     return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total}"
@@ -268,6 +275,7 @@ def run(
             "steps": steps,
             "param_sha256": digest.sha256,
             "param_norm": digest.norm,
+            **_value_digest(cluster.policy, opts),
             "bytes_put": totals["bytes_put"],
             "bytes_get": totals["bytes_get"],
             "driver_bytes_get": driver["bytes_get"],

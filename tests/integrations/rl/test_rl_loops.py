@@ -1,6 +1,6 @@
-"""Synchronous GRPO end to end: a rollout actor and two FSDP2 trainer actors (gloo) on a real local Ray,
-rows through real Mooncake and TransferQueue deployments, checked against the same run with the
-tensors passed through the driver.
+"""Synchronous GRPO and PPO end to end: a rollout actor and two FSDP2 trainer actors (gloo) on a real
+local Ray, rows through real Mooncake and TransferQueue deployments, checked against the same runs
+with the tensors passed through the driver.
 
 One Ray (started by the ``tq://`` owner, loopback only) and one set of actors serve every run of the
 module; each run rebuilds the models from its seed (``Cluster.reset``). The test that kills a trainer
@@ -16,12 +16,13 @@ from typing import Any
 
 import pytest
 import torch
+from test_math import ref_gae  # the per-row scalar GAE loop (a sibling test module)
 
 import dataplane
 from dataplane.columns import read_columns
-from integrations.rl.conventions import INPUT_IDS, REWARD
-from integrations.rl.examples import grpo_tiny
-from integrations.rl.grpo import GRPO
+from integrations.rl.conventions import ADVANTAGES, INPUT_IDS, LOSS_MASK, RETURNS, REWARD, VALUES
+from integrations.rl.examples import grpo_tiny, ppo_tiny
+from integrations.rl.grpo import GRPO, GRPOConfig
 from integrations.rl.policy import ActorFailure
 from integrations.rl.sync_loop import StepRecord
 from integrations.rl.trainer_actor import row_fingerprint
@@ -54,7 +55,7 @@ def owners(tq_owner: Any, mooncake_owner: Any) -> dict[str, dataplane.DataPlaneC
 
 
 @pytest.fixture(scope="module")
-def cluster(tq_owner: Any) -> Iterator[grpo_tiny.Cluster]:
+def cluster(owners: Any) -> Iterator[grpo_tiny.Cluster]:  # stopped before the stores its actors use
     c = grpo_tiny.Cluster.start(OPTS)
     yield c
     c.shutdown()
@@ -157,12 +158,74 @@ def test_split_and_monolithic_steps_agree(cluster: grpo_tiny.Cluster, mooncake_o
 
     policy = cluster.policy
     version = policy.version
-    policy.begin(OPTS.grpo().loss())
+    policy.begin(GRPOConfig().loss())
     policy.abort()  # an aborted step moves no version, on the driver or on any rank
     policy.abort()  # idempotent
     assert policy.version == version == mono["steps"][-1]["version"]
     assert ray.get([a.version.remote() for a in policy.actors]) == [version] * len(policy.actors)
     assert policy.param_digest().norm == mono["param_norm"]
+
+
+PPO_OPTS = replace(ppo_tiny.DEFAULTS, steps=5, prompts_per_step=8, group_size=8, seed=3, progress=False)
+
+
+def scalar_gae_check(client: dataplane.DataPlaneClient, meta: Any, gamma: float, lam: float) -> None:
+    """The advantages and returns the trainers wrote equal a per-row scalar loop on the stored values,
+    with the row's reward on its last generated token."""
+    got = read_columns(client, meta, [VALUES, LOSS_MASK, REWARD, ADVANTAGES, RETURNS])
+    for i, n in enumerate(meta.sequence_lengths):
+        mask = got[LOSS_MASK][i, :n].tolist()
+        r = [0.0] * n
+        r[max(t for t in range(n) if mask[t])] = float(got[REWARD][i])
+        want_a, want_r = ref_gae(r, got[VALUES][i, :n].double().tolist(), gamma, lam)
+        torch.testing.assert_close(
+            got[ADVANTAGES][i, :n].double(), torch.tensor(want_a, dtype=torch.float64), rtol=1e-5, atol=1e-5
+        )
+        torch.testing.assert_close(
+            got[RETURNS][i, :n].double(), torch.tensor(want_r, dtype=torch.float64), rtol=1e-5, atol=1e-5
+        )
+
+
+def test_ppo_gae_on_the_trainers_equals_a_scalar_loop(cluster: grpo_tiny.Cluster, mooncake_owner: Any) -> None:
+    """The advantage stage through the data plane (each DP shard's leader reads values, loss_mask and
+    reward, writes advantages and returns), for random gamma and lambda."""
+    import ray
+
+    cluster.reset(PPO_OPTS, mooncake_owner.url)
+    meta = ray.get(cluster.rollout.rollout.remote(0, "gae-check")).meta
+    try:
+        meta = cluster.policy.values(meta)
+        g = torch.Generator().manual_seed(7)
+        for gamma, lam in [(1.0, 0.95), *torch.rand(3, 2, generator=g).tolist()]:
+            written, sums = cluster.policy.sequence_gae(meta, gamma=gamma, lam=lam)
+            assert set(written.fields) >= {ADVANTAGES, RETURNS}
+            scalar_gae_check(mooncake_owner, meta, gamma, lam)
+            assert sums["count"] == sum(max(0, n - 4) for n in meta.sequence_lengths)  # generated tokens
+    finally:
+        mooncake_owner.kv_clear(partition_id="gae-check")
+
+
+def test_ppo_dataplane_run_equals_the_inline_run_bit_for_bit(
+    cluster: grpo_tiny.Cluster, mooncake_owner: Any, monkeypatch: Any
+) -> None:
+    inline = ppo_tiny.run(replace(PPO_OPTS, transport="inline"), cluster=cluster)
+    records: list[StepRecord] = []
+
+    def on_step(record: StepRecord, loop: Any) -> None:
+        records.append(record)
+        assert not mooncake_owner.kv_list(record.partition_id).get(record.partition_id)
+
+    doc = ppo_tiny.run(PPO_OPTS, cluster=cluster, client=mooncake_owner, on_step=on_step)
+    assert doc["algorithm"] == "ppo" and len(records) == PPO_OPTS.steps
+    assert doc["param_sha256"] == inline["param_sha256"]
+    assert doc["value_param_sha256"] == inline["value_param_sha256"]
+    for a, b in zip(doc["steps"], inline["steps"], strict=True):
+        assert a["value_loss"] == b["value_loss"]
+        # per-shard sums added on the driver vs one sum over the batch: float64 rounding only
+        assert a["explained_variance"] == pytest.approx(b["explained_variance"], rel=1e-9)
+    # two epochs x two minibatches: four optimizer steps of each model per PPO step
+    assert [s["version"] for s in doc["steps"]] == [4 * (i + 1) for i in range(PPO_OPTS.steps)]
+    assert doc["bytes_get"] > 0 and doc["driver_bytes_get"] < 0.01 * doc["bytes_get"]
 
 
 def test_the_run_is_loopback_only_and_memory_is_refused(cluster: grpo_tiny.Cluster) -> None:
@@ -265,7 +328,7 @@ def test_a_trainer_dying_mid_step_raises_a_typed_error_and_leaves_nothing(
     cluster.reset(OPTS, mooncake_owner.url)
     policy = cluster.policy
     policy.timeout_s = 60.0
-    grpo = GRPO(policy, cluster.rollout, OPTS.grpo(), client=mooncake_owner)
+    grpo = GRPO(policy, cluster.rollout, GRPOConfig(kl_coef=OPTS.kl_coef), client=mooncake_owner)
     grpo.sync_weights()
     original = policy.train_chunk
 
