@@ -140,7 +140,8 @@ class TinyCausalLM(nn.Module):
         for block in self.blocks:
             x = block(x)
         out = self.head(self.norm(x))
-        return out.squeeze(-1) if self.cfg.head == "value" else out  # type: ignore[no-any-return]
+        # a value head's [B, T, 1] as [B, T]: a copy, not a view (FSDP2 warns about returning views)
+        return out.squeeze(-1).clone() if self.cfg.head == "value" else out  # type: ignore[no-any-return]
 
     def step(self, input_ids: Tensor, cache: list[tuple[Tensor, Tensor]] | None = None) -> tuple[Tensor, list[Any]]:
         """Incremental forward for generation (an unsharded model): ``input_ids`` are the positions after
