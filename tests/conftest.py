@@ -9,6 +9,10 @@ Both have no deadline: a shared 2-core host makes single examples slow now and t
 
 Tests marked ``soak`` (long variants of churn tests) are deselected unless ``DATAPLANE_SOAK=1`` or a
 ``-m`` expression names ``soak`` (see ``tests/README.md``).
+
+Under pytest-xdist (``-n 2 --dist loadfile``, what CI runs) the slowest test files are handed out first
+(:func:`_file_cost`), so that the run ends on short files instead of one worker finishing a long one
+alone.
 """
 
 from __future__ import annotations
@@ -51,6 +55,38 @@ _MISSING = {
 }
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # xdist's --dist loadfile hands out files by number of tests, most first (--loadscope-reorder, on
+    # by default): that put the files of two or three slow tests (a Ray and a TransferQueue each, the
+    # README's recipe in subprocesses) last, where one worker ran them alone for minutes. Keep the
+    # order _file_cost gives the collection instead.
+    if getattr(config.option, "loadscopereorder", False):
+        config.option.loadscopereorder = False
+
+
+def _file_cost(items: list[pytest.Item]) -> tuple[bool, int, int]:
+    """How slow a test file is, roughly, as a sort key: whether it starts a Ray (``tq``), how many of
+    its tests start processes or are marked slow (GPU tests aside: skipped on CPU hosts), then its
+    number of tests."""
+
+    def marked(item: pytest.Item, name: str) -> bool:
+        return item.get_closest_marker(name) is not None
+
+    ray = any(marked(i, "tq") for i in items)
+    heavy = sum(1 for i in items if (marked(i, "multiprocess") or marked(i, "slow")) and not marked(i, "gpu"))
+    return ray, heavy, len(items)
+
+
+def _slowest_files_first(items: list[pytest.Item]) -> None:
+    """Reorder ``items`` file by file, the costliest files (:func:`_file_cost`) first; a file's own
+    tests keep their order."""
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    ordered = sorted(files.values(), key=_file_cost, reverse=True)  # stable: ties keep collection order
+    items[:] = [item for file_items in ordered for item in file_items]
+
+
 def _soak(config: pytest.Config) -> bool:
     """Whether soak tests are collected: asked for by DATAPLANE_SOAK=1, or left to a ``-m`` naming them."""
     return SOAK or "soak" in (config.getoption("markexpr") or "")
@@ -77,3 +113,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
+    if hasattr(config, "workerinput"):  # an xdist worker: its order is the order files are handed out in
+        _slowest_files_first(items)
