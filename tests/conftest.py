@@ -7,6 +7,9 @@ Hypothesis profiles (``HYPOTHESIS_PROFILE`` picks one; otherwise ``ci`` where ``
 
 Both have no deadline: a shared 2-core host makes single examples slow now and then.
 
+``ray_cluster``: one local Ray per test process (an xdist worker), started by the first test that asks for
+it and stopped at the end of the session, shared by every test that runs TransferQueue in-process.
+
 Tests marked ``soak`` (long variants of churn tests) are deselected unless ``DATAPLANE_SOAK=1`` or a
 ``-m`` expression names ``soak`` (see ``tests/README.md``).
 
@@ -20,6 +23,8 @@ from __future__ import annotations
 import importlib.util
 import multiprocessing
 import os
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -41,6 +46,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.enviro
 # the sys.path entries pytest adds, so test modules themselves are imported by each child.)
 multiprocessing.set_forkserver_preload(["torch", "dataplane", "dataplane.testing", "pytest"])
 
+ROOT = Path(__file__).resolve().parents[1]
+
 SOAK = os.environ.get("DATAPLANE_SOAK", "") not in ("", "0")
 
 # marker -> the modules it needs and how to get them
@@ -53,6 +60,32 @@ _MISSING = {
     for marker, (modules, reason) in _NEEDS.items()
     if any(importlib.util.find_spec(m) is None for m in modules)
 }
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    """A local Ray with 8 logical CPUs (TransferQueue's controller and each storage unit take one), for
+    the in-process ``tq://`` tests of this process: a Ray start costs ~10 CPU-seconds, so every test
+    module shares one (each test or class runs its own deployment on it). Stopped at the end of the
+    session if started here. Its workers import the repository and the ``tq://`` test modules
+    (actors defined there are pickled by reference)."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        paths = [ROOT, ROOT / "tests" / "adapters" / "transfer_queue"]
+        ray.init(
+            address="local",
+            num_cpus=8,
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(map(str, paths))}},
+        )
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
 
 
 def pytest_configure(config: pytest.Config) -> None:
