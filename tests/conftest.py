@@ -7,8 +7,9 @@ Hypothesis profiles (``HYPOTHESIS_PROFILE`` picks one; otherwise ``ci`` where ``
 
 Both have no deadline: a shared 2-core host makes single examples slow now and then.
 
-``ray_cluster``: one local Ray per test process (an xdist worker), started by the first test that asks for
-it and stopped at the end of the session, shared by every test that runs TransferQueue in-process.
+``ray_cluster``: one local Ray per test process (an xdist worker), started by the first module that asks
+for it, shared by the modules that run TransferQueue in-process, and stopped once the process has
+moved on to files without ``tq`` tests.
 
 Tests marked ``soak`` (long variants of churn tests) are deselected unless ``DATAPLANE_SOAK=1`` or a
 ``-m`` expression names ``soak`` (see ``tests/README.md``).
@@ -62,17 +63,28 @@ _MISSING = {
 }
 
 
-@pytest.fixture(scope="session")
+# Non-empty while a Ray that ray_cluster started is up, and the test files that may use it: those with a
+# test marked tq. Only filled on xdist workers (pytest_collection_modifyitems), where those files come
+# first (_slowest_files_first): a serial run keeps its Ray to the end instead of restarting it for each
+# tq file after a file without.
+_ray_started_here: list[bool] = []
+_RAY_FILES: set[str] = set()
+
+
+@pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
     """A local Ray with 8 logical CPUs (TransferQueue's controller and each storage unit take one), for
-    the in-process ``tq://`` tests of this process: a Ray start costs ~10 CPU-seconds, so every test
-    module shares one (each test or class runs its own deployment on it). Stopped at the end of the
-    session if started here. Its workers import the repository and the ``tq://`` test modules
-    (actors defined there are pickled by reference)."""
+    the in-process ``tq://`` tests of this process: a Ray start costs ~10 CPU-seconds, so the test
+    modules share one (each test or class runs its own deployment on it). Its workers import the
+    repository and the ``tq://`` test modules (actors defined there are pickled by reference).
+
+    A module that uses it marks its tests ``tq``: under xdist, the Ray started here is stopped before
+    the first test of a file with no such test (an idle Ray's daemons take a few percent of a core, for
+    the rest of the run otherwise), and started again by the next module that asks for it; at the
+    latest it stops at the end of the session."""
     import ray
 
-    started = not ray.is_initialized()
-    if started:
+    if not ray.is_initialized():
         paths = [ROOT, ROOT / "tests" / "adapters" / "transfer_queue"]
         ray.init(
             address="local",
@@ -81,11 +93,26 @@ def ray_cluster() -> Iterator[None]:
             log_to_driver=False,
             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(map(str, paths))}},
         )
-    try:
-        yield
-    finally:
-        if started:
-            ray.shutdown()
+        _ray_started_here[:] = [True]
+    yield
+
+
+def _stop_our_ray() -> None:
+    if _ray_started_here:
+        import ray
+
+        ray.shutdown()
+        _ray_started_here.clear()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if _ray_started_here and _RAY_FILES and item.nodeid.split("::", 1)[0] not in _RAY_FILES:
+        _stop_our_ray()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    _stop_our_ray()
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -148,3 +175,4 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = kept
     if hasattr(config, "workerinput"):  # an xdist worker: its order is the order files are handed out in
         _slowest_files_first(items)
+        _RAY_FILES.update(i.nodeid.split("::", 1)[0] for i in items if i.get_closest_marker("tq") is not None)
