@@ -76,7 +76,7 @@ def ray_cluster() -> Iterator[None]:
     """A local Ray with 8 logical CPUs (TransferQueue's controller and each storage unit take one), for
     the in-process ``tq://`` tests of this process: a Ray start costs ~10 CPU-seconds, so the test
     modules share one (each test or class runs its own deployment on it). Its workers import the
-    repository and the ``tq://`` test modules (actors defined there are pickled by reference).
+    repository and the test modules (actors defined there are pickled by reference).
 
     A module that uses it marks its tests ``tq``: under xdist, the Ray started here is stopped before
     the first test of a file with no such test (an idle Ray's daemons take a few percent of a core, for
@@ -85,7 +85,8 @@ def ray_cluster() -> Iterator[None]:
     import ray
 
     if not ray.is_initialized():
-        paths = [ROOT, ROOT / "tests" / "adapters" / "transfer_queue"]
+        # every test folder too (test module basenames are unique): a module's actors may be pickled by reference
+        paths = [ROOT, *sorted({test.parent for test in (ROOT / "tests").rglob("test_*.py")})]
         ray.init(
             address="local",
             num_cpus=8,
