@@ -2,11 +2,11 @@
 reader processes get them (:mod:`dataplane.testing.churn`). Readers see only ``KeyNotFound`` for rows
 cleared under them, never another error, and every row they get is exactly one a writer wrote.
 
-Every backend in CI, a couple of seconds of churn each (the ``tq://`` cases share one Ray, started
-once for the module); ``test_churn_soak`` runs a minute each, with short rows and long ones. The
-test process owns each deployment, and the churn processes join it by URL (``join_url`` on
-Mooncake; on ``tq://``, ``ray_address=`` the module's Ray, which the TransferQueue deployments use
-in turn).
+Every backend in CI, a couple of seconds of churn each (the ``tq://`` cases run on the session's Ray,
+``ray_cluster`` in ``tests/conftest.py``); ``test_churn_soak`` runs a minute each, with short rows and
+long ones. The test process owns each deployment, and the churn processes join it by URL
+(``join_url`` on Mooncake; on ``tq://``, ``ray_address=`` that Ray, which the TransferQueue
+deployments use in turn).
 
 TransferQueue hands a cleared row's global index to the next new key and keeps the row's bytes under
 that index, so a get that took a row's index before a clear can find another key's row there (seen
@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import importlib.util
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -28,7 +26,6 @@ import dataplane
 from dataplane.client import DataPlaneClient
 from dataplane.testing.churn import PARTITION, run_churn
 
-ROOT = Path(__file__).resolve().parents[2]
 HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None
 
 pytestmark = [pytest.mark.multiprocess]
@@ -48,26 +45,13 @@ TQ_MOONCAKE = pytest.param(
 )
 
 
-@pytest.fixture(scope="module")
-def ray_address() -> Iterator[str]:
-    """A local Ray for the ``tq://`` cases (started on first use, stopped after the module if started
-    here), and the address processes join it by."""
+@pytest.fixture
+def ray_address(ray_cluster: None) -> str:
+    """The address processes join the session's Ray by (``tests/conftest.py``: started on first use,
+    shared with the other in-process ``tq://`` tests)."""
     import ray
 
-    started = not ray.is_initialized()
-    if started:
-        ray.init(
-            address="local",
-            num_cpus=8,
-            include_dashboard=False,
-            log_to_driver=False,
-            runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},
-        )
-    try:
-        yield str(ray.get_runtime_context().gcs_address)
-    finally:
-        if started:
-            ray.shutdown()
+    return str(ray.get_runtime_context().gcs_address)
 
 
 def _owner(url: str, request: pytest.FixtureRequest) -> tuple[DataPlaneClient, str]:

@@ -1,7 +1,7 @@
 """The shipped conformance suite, unchanged, on ``tq://`` with SimpleStorage and with MooncakeStore.
 
-One real local Ray for the module and one TransferQueue deployment per backend (one class each):
-the fixture's client owns it, and every client the suite makes attaches to it.
+The session's local Ray (``ray_cluster``, ``tests/conftest.py``) and one TransferQueue deployment per
+backend (one class each): the fixture's client owns it, and every client the suite makes attaches to it.
 """
 
 from __future__ import annotations

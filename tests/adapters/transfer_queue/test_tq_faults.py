@@ -1,6 +1,6 @@
 """``tq://`` when things go wrong: a full store, a killed storage unit, a dead controller, teardown.
 
-Each test runs its own deployment (a small capacity needs its own TransferQueue) on the module's Ray.
+Each test runs its own deployment (a small capacity needs its own TransferQueue) on the session's Ray.
 """
 
 from __future__ import annotations
