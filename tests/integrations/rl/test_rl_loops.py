@@ -33,7 +33,7 @@ pytest.importorskip("mooncake.store", reason="needs Mooncake: pip install 'datap
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.tq, pytest.mark.mooncake]
 
-OPTS = grpo_tiny.Options(steps=5, prompts_per_step=8, group_size=8, seed=3, progress=False)
+OPTS = grpo_tiny.Options(steps=5, prompts_per_step=4, group_size=8, seed=3, progress=False)
 BACKENDS = ["mooncake://local", "tq://?backend=simple"]
 
 
@@ -166,7 +166,7 @@ def test_split_and_monolithic_steps_agree(cluster: grpo_tiny.Cluster, mooncake_o
     assert policy.param_digest().norm == mono["param_norm"]
 
 
-PPO_OPTS = replace(ppo_tiny.DEFAULTS, steps=5, prompts_per_step=8, group_size=8, seed=3, progress=False)
+PPO_OPTS = replace(ppo_tiny.DEFAULTS, steps=5, prompts_per_step=4, group_size=8, seed=3, progress=False)
 
 
 def scalar_gae_check(client: dataplane.DataPlaneClient, meta: Any, gamma: float, lam: float) -> None:

@@ -142,7 +142,9 @@ WITHOUT_EXAMPLES = {
     "integrations.rl.workers.dtensor",
     "integrations.rl.workers.tiny",
     "integrations.rl.examples",
+    "integrations.rl.examples.common",
     "integrations.rl.examples.grpo_tiny",
+    "integrations.rl.examples.ppo_tiny",
     "integrations.rl.weight_sync",
     "integrations.rl.sync_loop",
 }
