@@ -136,7 +136,7 @@ def test_doctests(name: str) -> None:
 
 
 # Package indexes, process-group glue and Ray glue (their examples need a process group or a Ray:
-# the docs show them as code, tests/integrations/rl/test_grpo.py runs them).
+# the docs show them as code, tests/integrations/rl/test_rl_loops.py runs them).
 WITHOUT_EXAMPLES = {
     "integrations.rl.workers",
     "integrations.rl.workers.dtensor",
