@@ -4,14 +4,16 @@
 (one per rank, ``ray.remote(TrainerActor)``) and drives the group. Each actor joins one
 ``torch.distributed`` group with its peers, builds its models from picklable factories (the
 reference worker for the tiny model, or your own :class:`~integrations.rl.workers.DTensorRLWorkerMixin`
-host), and exposes, per model name (``"policy"``, ``"reference"``, ...):
+host), and exposes, per model name (``"policy"``, ``"reference"``, ``"value"``, ...):
 
-* ``logprobs(model, shard, out_field, data=None)``: the shard's token-aligned logprobs, written back
-  from the replica leader (``data is None``: read from the data plane) or returned (``data`` given:
-  the shard's tensors arrived with the call, the way a trainer without a data plane gets them);
-* the split step: ``begin(loss_fn)``, ``train_chunk(shard, data=None)``, ``finish()``, ``abort()``, and
-  ``train(shard, loss_fn, data=None)`` for all of it in one call. ``version()`` is the number of
-  finished steps: it moves on ``finish`` only, never on ``abort``;
+* ``logprobs(model, shard, out_field, data=None)`` and ``values(...)``: the shard's token-aligned
+  logprobs or values, written back from the replica leader (``data is None``: read from the data
+  plane) or returned (``data`` given: the shard's tensors arrived with the call, the way a trainer
+  without a data plane gets them);
+* ``sequence_gae(shard, gamma, lam)``: PPO's advantage stage on the shard, written back;
+* the split step: ``begin(loss_fn, model)``, ``train_chunk(shard, data, model)``, ``finish(model)``,
+  ``abort(model)``, and ``train(shard, loss_fn, data, model)`` for all of it in one call.
+  ``version(model)`` is the number of finished steps: it moves on ``finish`` only, never on ``abort``;
 * ``state_dict_ref(model)`` (a collective; rank 0 returns an object ref of the whole parameters) and
   ``param_digest(model)``.
 
