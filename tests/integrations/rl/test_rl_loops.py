@@ -166,7 +166,11 @@ def test_split_and_monolithic_steps_agree(cluster: grpo_tiny.Cluster, mooncake_o
     assert policy.param_digest().norm == mono["param_norm"]
 
 
-PPO_OPTS = replace(ppo_tiny.DEFAULTS, steps=5, prompts_per_step=4, group_size=8, seed=3, progress=False)
+# monolithic steps: one call per optimizer step (the split path is the GRPO tests'); 8 optimizer steps per
+# PPO step would otherwise take 4 calls each
+PPO_OPTS = replace(
+    ppo_tiny.DEFAULTS, steps=5, prompts_per_step=4, group_size=8, seed=3, progress=False, train_step="monolithic"
+)
 
 
 def scalar_gae_check(client: dataplane.DataPlaneClient, meta: Any, gamma: float, lam: float) -> None:
@@ -186,30 +190,25 @@ def scalar_gae_check(client: dataplane.DataPlaneClient, meta: Any, gamma: float,
         )
 
 
-def test_ppo_gae_on_the_trainers_equals_a_scalar_loop(cluster: grpo_tiny.Cluster, mooncake_owner: Any) -> None:
-    """The advantage stage through the data plane (each DP shard's leader reads values, loss_mask and
-    reward, writes advantages and returns), for random gamma and lambda."""
-    import ray
-
-    cluster.reset(PPO_OPTS, mooncake_owner.url)
-    meta = ray.get(cluster.rollout.rollout.remote(0, "gae-check")).meta
-    try:
-        meta = cluster.policy.values(meta)
-        g = torch.Generator().manual_seed(7)
-        for gamma, lam in [(1.0, 0.95), *torch.rand(3, 2, generator=g).tolist()]:
-            written, sums = cluster.policy.sequence_gae(meta, gamma=gamma, lam=lam)
-            assert set(written.fields) >= {ADVANTAGES, RETURNS}
-            scalar_gae_check(mooncake_owner, meta, gamma, lam)
-            assert sums["count"] == sum(max(0, n - 4) for n in meta.sequence_lengths)  # generated tokens
-    finally:
-        mooncake_owner.kv_clear(partition_id="gae-check")
-
-
 def test_ppo_dataplane_run_equals_the_inline_run_bit_for_bit(
     cluster: grpo_tiny.Cluster, mooncake_owner: Any, monkeypatch: Any
 ) -> None:
+    """Also: the advantage stage on the trainers (each DP shard's leader reads values, loss_mask and
+    reward, writes advantages and returns) equals a per-row scalar GAE loop, for random gamma and
+    lambda and then the run's own (written last, so the run goes on with its own)."""
     inline = ppo_tiny.run(replace(PPO_OPTS, transport="inline"), cluster=cluster)
     records: list[StepRecord] = []
+    original, pairs = cluster.policy.sequence_gae, torch.rand(5, 2, generator=torch.Generator().manual_seed(7))
+
+    def sequence_gae(meta: Any, *, gamma: float, lam: float, **kw: Any) -> Any:
+        for g, lm in (pairs[len(records)].tolist(), (gamma, lam)):  # a random pair, then the run's
+            out = original(meta, gamma=g, lam=lm, **kw)
+            scalar_gae_check(mooncake_owner, meta, g, lm)
+        generated = sum(n - 4 for n in meta.sequence_lengths)  # 4-token prompts
+        assert set(out[0].fields) >= {ADVANTAGES, RETURNS} and out[1]["count"] == generated
+        return out
+
+    monkeypatch.setattr(cluster.policy, "sequence_gae", sequence_gae)
 
     def on_step(record: StepRecord, loop: Any) -> None:
         records.append(record)
@@ -296,7 +295,7 @@ def test_gather_names_who_failed_and_never_waits_past_its_timeout(cluster: grpo_
                 [member.remote("raise"), member.remote("hang")],
                 timeout_s=30,
                 what="call",
-                grace_s=1,
+                grace_s=0.5,
                 on_broken=lambda: broken.append("f"),
             )
         assert isinstance(info.value.__cause__, dataplane.KeyNotFound)
