@@ -148,15 +148,8 @@ class PPO(SyncLoop):
         client: DataPlaneClient | None = None,
         weight_sync: WeightSync | None = None,
     ) -> None:
-        self.config = config or PPOConfig()
-        super().__init__(
-            policy,
-            rollout,
-            client=client,
-            weight_sync=weight_sync,
-            partition_prefix=self.config.partition_prefix,
-            timeout_s=self.config.timeout_s,
-        )
+        self.config: PPOConfig = config or PPOConfig()
+        super().__init__(policy, rollout, self.config, client=client, weight_sync=weight_sync)
 
     def learn(
         self, step: int, partition: str, meta: KVBatchMeta, rewards: Tensor, data: TensorDictBase | None

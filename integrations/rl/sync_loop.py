@@ -101,22 +101,22 @@ class SyncLoop:
     Args:
         policy: the trainer group.
         rollout: a :class:`~integrations.rl.rollout_actor.RolloutActor` Ray actor.
+        config: the algorithm's settings; this reads ``partition_prefix`` (step ``s`` uses partition
+            ``f"{partition_prefix}-step{s}"``) and ``timeout_s`` (the most a call to the rollout
+            actor waits).
         client: the driver's data-plane client (the one the actors joined); None trains without a
             data plane (tensors through the driver).
         weight_sync: how new weights reach the rollout actor (default :class:`ObjectStoreWeightSync`).
-        partition_prefix: step ``s`` uses partition ``f"{partition_prefix}-step{s}"``.
-        timeout_s: the most a call to the rollout actor waits.
     """
 
     def __init__(
         self,
         policy: Policy,
         rollout: Any,
+        config: Any,
         *,
         client: DataPlaneClient | None = None,
         weight_sync: WeightSync | None = None,
-        partition_prefix: str = "rl",
-        timeout_s: float = 300.0,
     ) -> None:
         if client is not None and not client.capabilities.cross_process:
             raise InvalidArgument(
@@ -124,9 +124,9 @@ class SyncLoop:
                 "actors are processes of their own: use mooncake://local or tq://?backend=simple"
             )
         self.policy, self.rollout = policy, rollout
-        self.timeout_s = timeout_s
-        self.partition_prefix = partition_prefix
-        self.weight_sync = weight_sync or ObjectStoreWeightSync(timeout_s)
+        self.timeout_s = float(config.timeout_s)
+        self.partition_prefix = str(config.partition_prefix)
+        self.weight_sync = weight_sync or ObjectStoreWeightSync(self.timeout_s)
         self.meter = TrafficMeter()
         self.client = None if client is None else self.meter.wrap(client)
 
