@@ -83,14 +83,16 @@ class ReplayBuffer:
         self.stats = {"reserved": 0, "committed": 0, "released": 0, "removed": 0}
 
     # -- the rollout side ------------------------------------------------------------------------
-    def reserve(self, weight_version: int, *, uid: str | None = None, timeout_s: float | None = 0.0) -> Slot | None:
+    def reserve(self, weight_version: int, *, uid: str | None = None, timeout_s: float = 0.0) -> Slot | None:
         """A slot for one group's rollout, or None when the buffer stayed full for ``timeout_s``
-        (0: refuse at once; None: wait for room, however long)."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        seconds (0: refuse at once). Every wait is bounded: call again to keep waiting."""
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 <= timeout_s < float("inf"):
+            raise InvalidArgument(f"timeout_s must be a finite number >= 0, got {timeout_s!r}")
+        deadline = time.monotonic() + timeout_s
         with self._cond:
             while len(self._slots) >= self.capacity:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
                     return None
                 self._cond.wait(left)
             slot_id = self._next

@@ -9,7 +9,7 @@ between the trainers and the inference engine) or the engine's own weight-update
     class EngineSync:
         def push(self, policy, rollout, version):
             policy.broadcast_to_engine(...)      # your collective
-            ray.get(rollout.update_weights_done.remote(version))
+            ray.get(rollout.update_weights_done.remote(version), timeout=300)
 """
 
 from __future__ import annotations

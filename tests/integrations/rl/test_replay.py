@@ -60,6 +60,8 @@ def test_reserve_waits_for_room_and_times_out() -> None:
         threading.Timer(0.2, buf.release, [first]).start()
         second = buf.reserve(0, timeout_s=10)  # woken by the release
         assert second is not None and second.id == 1
+        with pytest.raises(InvalidArgument, match="timeout_s"):  # no unbounded wait
+            buf.reserve(0, timeout_s=None)  # type: ignore[arg-type]
 
 
 def test_concurrent_pumps_never_exceed_capacity_and_every_reservation_ends_once() -> None:
@@ -88,7 +90,7 @@ def test_concurrent_pumps_never_exceed_capacity_and_every_reservation_ends_once(
                     if issued[0] >= groups:
                         return
                     issued[0] += 1
-                slot = buf.reserve(0, timeout_s=None)
+                slot = buf.reserve(0, timeout_s=30)
                 assert slot is not None
                 with lock:
                     peak[0] = max(peak[0], buf.occupancy)
