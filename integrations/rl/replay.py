@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from dataplane import DataPlaneClient, DataPlaneTimeout, InvalidArgument, KVBatchMeta
 
@@ -46,6 +46,7 @@ class Slot:
         state: ``"reserved"`` (rollout in flight), ``"committed"`` (rows in the store),
             ``"released"`` or ``"removed"`` (gone).
         meta: the committed rows' meta.
+        info: what the rollout reported with the commit (small: per-row rewards, timings).
     """
 
     id: int
@@ -54,6 +55,7 @@ class Slot:
     keys: list[str]
     state: Literal["reserved", "committed", "released", "removed"] = "reserved"
     meta: KVBatchMeta | None = None
+    info: dict[str, Any] = field(default_factory=dict)
     reserved_at: float = field(default_factory=time.monotonic)
 
 
@@ -81,6 +83,8 @@ class ReplayBuffer:
         self._slots: dict[int, Slot] = {}  # reserved or committed, by id
         self._next = 0
         self.stats = {"reserved": 0, "committed": 0, "released": 0, "removed": 0}
+        self.peak_occupancy = 0  # the most slots ever reserved or committed at once
+        self._changes = 0
 
     # -- the rollout side ------------------------------------------------------------------------
     def reserve(self, weight_version: int, *, uid: str | None = None, timeout_s: float = 0.0) -> Slot | None:
@@ -103,10 +107,13 @@ class ReplayBuffer:
             slot = Slot(slot_id, name, int(weight_version), [f"{name}_g{i}" for i in range(self.group_size)])
             self._slots[slot_id] = slot
             self.stats["reserved"] += 1
+            self.peak_occupancy = max(self.peak_occupancy, len(self._slots))
+            self._changed()
             return slot
 
-    def commit(self, slot: Slot, meta: KVBatchMeta) -> None:
-        """The slot's rows are in the store: ``meta`` must hold exactly its keys."""
+    def commit(self, slot: Slot, meta: KVBatchMeta, info: dict[str, Any] | None = None) -> None:
+        """The slot's rows are in the store: ``meta`` must hold exactly its keys; ``info`` is kept in
+        ``slot.info``."""
         with self._cond:
             self._require(slot, "reserved", "commit")
             if sorted(meta.keys) != sorted(slot.keys) or meta.partition_id != self.partition_id:
@@ -115,8 +122,9 @@ class ReplayBuffer:
                     f"the slot {slot.keys[:4]} in {self.partition_id!r}"
                 )
             slot.meta, slot.state = meta, "committed"
+            slot.info.update(info or {})
             self.stats["committed"] += 1
-            self._cond.notify_all()
+            self._changed()
 
     def commit_put(self, slot: Slot, put: Callable[[Slot], KVBatchMeta]) -> KVBatchMeta:
         """Run ``put(slot)`` (it writes the slot's rows and returns their meta), then commit. If the put
@@ -175,6 +183,23 @@ class ReplayBuffer:
         return self.ready()
 
     @property
+    def changes(self) -> int:
+        """How many times a slot was reserved, committed, released or removed (for :meth:`wait_change`)."""
+        with self._cond:
+            return self._changes
+
+    def wait_change(self, since: int, timeout_s: float) -> int:
+        """Block until :attr:`changes` moves past ``since`` or ``timeout_s`` passes; the count now."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._changes == since:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            return self._changes
+
+    @property
     def occupancy(self) -> int:
         """Slots reserved or committed."""
         with self._cond:
@@ -189,4 +214,8 @@ class ReplayBuffer:
         del self._slots[slot.id]
         slot.state = state
         self.stats[state] += 1
+        self._changed()
+
+    def _changed(self) -> None:  # with the lock held
+        self._changes += 1
         self._cond.notify_all()

@@ -18,6 +18,7 @@ task the tiny model learns in a few dozen steps: keep counting from where the pr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -59,12 +60,14 @@ def generate(
     *,
     eos_id: int | None = None,
     temperature: float = 1.0,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
 ) -> Generation:
     """Sample ``max_new_tokens`` after each prompt (all prompts ``P`` long), stopping rows at ``eos_id``.
 
     Sampling is from ``softmax(logits / temperature)`` with ``generator`` (same seed, same weights:
     same tokens). The returned logprobs are those of the sampled tokens under that distribution.
+    A sequence of ``k`` generators splits the rows into ``k`` equal consecutive blocks (groups), each
+    sampled with its own: a block's tokens are then what generating it alone would give.
     """
     if prompts.dim() != 2 or prompts.shape[1] < 1 or prompts.dtype != torch.int64:
         raise InvalidArgument(f"prompts must be int64 [B, P] with P >= 1, got {prompts.dtype} {tuple(prompts.shape)}")
@@ -74,13 +77,20 @@ def generate(
     model.eval()
     try:
         b, p = prompts.shape
+        gens = list(generator) if isinstance(generator, Sequence) else [generator]
+        if not gens or b % len(gens):
+            raise InvalidArgument(f"{len(gens)} generators for {b} rows; give one per equal block of rows")
+        block = b // len(gens)
         logits, cache = model.step(prompts)
         tokens, logprobs = [prompts], [torch.zeros(b, p)]
         done = torch.zeros(b, dtype=torch.bool)
         lengths = torch.full((b,), p + max_new_tokens, dtype=torch.int64)
         for i in range(max_new_tokens):
             lp = torch.log_softmax(logits[:, -1].float() / temperature, dim=-1)
-            nxt = torch.multinomial(lp.exp(), 1, generator=generator).squeeze(1)
+            probs = lp.exp()
+            nxt = torch.cat(
+                [torch.multinomial(probs[k * block : (k + 1) * block], 1, generator=g) for k, g in enumerate(gens)]
+            ).squeeze(1)
             nxt = torch.where(done, torch.zeros_like(nxt), nxt)
             tokens.append(nxt[:, None])
             logprobs.append(torch.where(done, 0.0, lp.gather(1, nxt[:, None]).squeeze(1))[:, None])

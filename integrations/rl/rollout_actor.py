@@ -2,8 +2,8 @@
 
 :class:`RolloutActor` is a plain class; run it as a Ray actor (``ray.remote(RolloutActor)``). Each
 :meth:`~RolloutActor.rollout` samples ``group_size`` responses for each of ``prompts_per_step``
-prompts with a generator seeded from ``(seed, step)`` (the same seed and weights give the same
-tokens, whatever ran before), scores them with the reward function, and writes them with
+prompts, each group with a generator of its own seeded from ``(seed, step, prompt)`` (the same seed
+and weights give the same tokens, whatever ran before and whichever call or actor sampled the group), scores them with the reward function, and writes them with
 :func:`dataplane.columns.first_write`: keys ``f"{uid}_g{i}"``, tags ``uid``, ``sample_idx`` and
 ``weight_version``, token fields ``input_ids``, ``loss_mask`` and ``gen_logprobs`` plus ``reward``
 per row. It returns the meta and the per-row rewards only; the bulk stays in the store.
@@ -30,7 +30,7 @@ from integrations.rl.metering import TrafficMeter
 from integrations.rl.rollout import CountingTask, generate
 from integrations.rl.workers.model import TinyCausalLM, TinyConfig
 
-__all__ = ["RolloutActor", "RolloutResult", "rollout_meta"]
+__all__ = ["RolloutActor", "RolloutResult", "group_seed", "rollout_meta"]
 
 RewardFn = Callable[[Sequence[int], Sequence[int]], float]
 TOKEN_FIELDS = (INPUT_IDS, LOSS_MASK, GEN_LOGPROBS)
@@ -52,6 +52,15 @@ class RolloutResult:
     rewards: Tensor
     data: TensorDict | None
     seconds: float
+
+
+def group_seed(seed: int, step: int, index: int) -> int:
+    """The generator seed of group ``(step, index)`` of a run seeded ``seed``.
+
+    >>> group_seed(0, 0, 1) != group_seed(0, 1, 0)
+    True
+    """
+    return ((seed * 1_000_003 + step) * 65_537 + index) % 2**63
 
 
 def rollout_meta(
@@ -88,7 +97,7 @@ class RolloutActor:
         task: prompts and the reward (default :class:`~integrations.rl.rollout.CountingTask`).
         prompts_per_step, group_size: prompts per rollout and samples per prompt.
         max_new_tokens, temperature: sampling.
-        seed: the sampling seed (each step's generator is seeded from ``(seed, step)``).
+        seed: the sampling seed (each group's generator is seeded from ``(seed, step, prompt)``).
         reward_fn: ``(prompt tokens, response tokens) -> float``; default ``task.reward``.
         threads: torch threads of this process.
     """
@@ -151,23 +160,37 @@ class RolloutActor:
         return self.weight_version
 
     def rollout(self, step: int, partition_id: str, *, write: bool = True) -> RolloutResult:
-        """Sample, score and (``write=True``) write one step's rollouts into ``partition_id``.
+        """Sample, score and (``write=True``) write one step's rollouts into ``partition_id``: the
+        groups ``(step, 0) .. (step, prompts_per_step - 1)`` of :meth:`rollout_groups`.
 
         With ``write=False`` nothing is written: the result carries the tensors and the meta the
         write would have returned (keys, lengths, tags), for a run without a data plane.
         """
+        return self.rollout_groups([(step, i) for i in range(self.prompts_per_step)], partition_id, write=write)
+
+    def rollout_groups(
+        self, groups: Sequence[tuple[int, int]], partition_id: str, *, write: bool = True
+    ) -> RolloutResult:
+        """Sample, score and write the groups ``(step, index)``: group ``(s, i)`` gets uid ``f"s{s}p{i}"``
+        and its own generator, seeded from ``(seed, s, i)``, so its prompt and samples depend only on the
+        seed, the group and the weights, not on which call or actor produced it (nor on the batch, for a
+        model whose forward is batch-invariant, as the tiny model's is on CPU). Rows are uid-major in
+        the order of ``groups``; see :meth:`rollout` for ``write``."""
         if write and self._client is None:
             raise InvalidArgument("this rollout actor has no data plane; connect(url) first, or pass write=False")
+        uids = [f"s{s}p{i}" for s, i in groups]
+        if not uids or len(set(uids)) != len(uids):
+            raise InvalidArgument(f"rollout_groups needs distinct (step, index) groups, got {list(groups)[:8]}")
         t0 = time.perf_counter()
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        prompts = self.task.prompts(self.prompts_per_step, generator=g).repeat_interleave(self.group_size, dim=0)
+        gens = [torch.Generator().manual_seed(group_seed(self.seed, int(s), int(i))) for s, i in groups]
+        prompts = torch.cat([self.task.prompts(1, generator=g) for g in gens]).repeat_interleave(self.group_size, dim=0)
         gen = generate(
             self.model,
             prompts,
             self.max_new_tokens,
             eos_id=self.task.eos_id,
             temperature=self.temperature,
-            generator=g,
+            generator=gens,
         )
         mask = gen.loss_mask()
         tokens = gen.tokens * (torch.arange(gen.tokens.shape[1]) < gen.lengths[:, None])  # zeros past each row
@@ -183,7 +206,6 @@ class RolloutActor:
             batch_size=[tokens.shape[0]],
         )
         seconds = time.perf_counter() - t0
-        uids = [f"s{step}p{i}" for i in range(self.prompts_per_step)]
         tags = {"weight_version": self.weight_version}
         if not write:
             meta = rollout_meta(partition_id, uids, self.group_size, gen.lengths.tolist(), tags)

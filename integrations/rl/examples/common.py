@@ -1,6 +1,6 @@
 """What the runnable examples share: options, the Ray actors of a run, the step loop, the command line.
 
-``grpo_tiny`` and ``ppo_tiny`` are this runner with an algorithm; see their docstrings.
+``grpo_tiny``, ``ppo_tiny`` and ``grpo_async_tiny`` are this runner with an algorithm; see their docstrings.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from typing import Any, Literal
 
 import dataplane
 from dataplane import DataPlaneClient, InvalidArgument
+from integrations.rl.controller import AsyncConfig, AsyncGRPO
 from integrations.rl.grpo import GRPO, GRPOConfig
+from integrations.rl.metering import add_totals
 from integrations.rl.policy import Policy, gather
 from integrations.rl.ppo import PPO, PPOConfig
 from integrations.rl.rollout import CountingTask
@@ -36,7 +38,7 @@ __all__ = ["Cluster", "Options", "main", "parse_args", "run"]
 class Options:
     """One run's settings (the command line's flags)."""
 
-    algorithm: Literal["grpo", "ppo"] = "grpo"
+    algorithm: Literal["grpo", "ppo", "grpo_async"] = "grpo"
     steps: int = 20
     backend: str = "mooncake://local"
     transport: Literal["dataplane", "inline"] = "dataplane"
@@ -54,15 +56,25 @@ class Options:
     value_lr: float = 1e-2
     value_shift: bool = True
     max_tokens_per_microbatch: int = 128
+    max_staleness: int = 1
+    capacity: int | None = None
+    in_order: bool = False
+    rollout_actors: int = 1
     json: str | None = None
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.algorithm not in ("grpo", "ppo"):
-            raise InvalidArgument(f"algorithm must be 'grpo' or 'ppo', got {self.algorithm!r}")
+        if self.algorithm not in ("grpo", "ppo", "grpo_async"):
+            raise InvalidArgument(f"algorithm must be 'grpo', 'ppo' or 'grpo_async', got {self.algorithm!r}")
+        if self.algorithm == "grpo_async":
+            if self.transport != "dataplane":
+                raise InvalidArgument(
+                    "asynchronous GRPO moves rows through the data plane only; drop --transport inline"
+                )
+            self.async_config()  # validates --max-staleness and --capacity
         if self.transport not in ("dataplane", "inline"):
             raise InvalidArgument(f"--transport must be 'dataplane' or 'inline', got {self.transport!r}")
-        for name in ("steps", "dp", "tp", "prompts_per_step", "group_size", "max_new_tokens"):
+        for name in ("steps", "dp", "tp", "prompts_per_step", "group_size", "max_new_tokens", "rollout_actors"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgument(f"{name} must be an int >= 1, got {value!r}")
@@ -87,6 +99,20 @@ class Options:
             )
         return out
 
+    def grpo_config(self) -> GRPOConfig:
+        return GRPOConfig(kl_coef=self.kl_coef, train_step=self.train_step)
+
+    def async_config(self) -> AsyncConfig:
+        """The asynchronous run's settings (``algorithm="grpo_async"``)."""
+        return AsyncConfig(
+            grpo=self.grpo_config(),
+            groups_per_step=self.prompts_per_step,
+            group_size=self.group_size,
+            max_staleness=self.max_staleness,
+            ordered=self.in_order,
+            capacity=self.capacity,
+        )
+
     def loop(self, policy: Policy, rollout: Any, client: DataPlaneClient | None) -> SyncLoop:
         """The algorithm over these actors."""
         if self.algorithm == "ppo":
@@ -96,15 +122,21 @@ class Options:
                 PPOConfig(kl_coef=self.kl_coef, train_step=self.train_step, seed=self.seed),
                 client=client,
             )
-        return GRPO(policy, rollout, GRPOConfig(kl_coef=self.kl_coef, train_step=self.train_step), client=client)
+        return GRPO(policy, rollout, self.grpo_config(), client=client)
 
 
 class Cluster:
-    """The Ray actors of a run: a trainer group and a rollout actor. A test reuses one for several
-    runs of the same shapes (:meth:`reset` rebuilds the models from the run's seed)."""
+    """The Ray actors of a run: a trainer group and ``opts.rollout_actors`` rollout actors. A test
+    reuses one for several runs of the same shapes (:meth:`reset` rebuilds the models from the run's
+    seed)."""
 
-    def __init__(self, policy: Policy, rollout: Any, opts: Options) -> None:
-        self.policy, self.rollout, self.opts = policy, rollout, opts
+    def __init__(self, policy: Policy, rollouts: Sequence[Any], opts: Options) -> None:
+        self.policy, self.rollouts, self.opts = policy, list(rollouts), opts
+
+    @property
+    def rollout(self) -> Any:
+        """The first rollout actor (the synchronous algorithms use one)."""
+        return self.rollouts[0]
 
     @classmethod
     def start(cls, opts: Options) -> Cluster:
@@ -113,7 +145,7 @@ class Cluster:
         TransferQueue)."""
         import ray
 
-        actors = opts.dp * opts.tp + 1
+        actors = opts.dp * opts.tp + opts.rollout_actors
         free = float(ray.available_resources().get("CPU", 0.0))  # type: ignore[no-untyped-call]
         share = min(0.5, int(100 * free / actors) / 100)
         if share < 0.01:
@@ -125,7 +157,7 @@ class Cluster:
             num_cpus=share,
             max_tokens_per_microbatch=opts.max_tokens_per_microbatch,
         )
-        rollout = (
+        rollouts = [
             ray.remote(RolloutActor)
             .options(num_cpus=share)
             .remote(
@@ -136,30 +168,42 @@ class Cluster:
                 max_new_tokens=opts.max_new_tokens,
                 seed=opts.seed,
             )
+            for _ in range(opts.rollout_actors)
+        ]
+        return cls(policy, rollouts, opts)
+
+    def connect(self, url: str | None) -> None:
+        """Point the trainers and every rollout actor at the data plane ``url`` (or at none)."""
+        self.policy.connect(url)
+        gather(
+            [a.connect.remote(url) for a in self.rollouts],
+            timeout_s=60,
+            what="rollout connect",
+            names=[f"rollout {i}" for i in range(len(self.rollouts))],
         )
-        return cls(policy, rollout, opts)
 
     def reset(self, opts: Options, url: str | None) -> None:
         """Fresh models from ``opts.seed``, the rollout's seed, and the data plane at ``url`` (or none)."""
         same: tuple[str, ...] = ("dp", "tp", "prompts_per_step", "group_size", "max_new_tokens", "vocab_size")
-        same += ("target_len", "max_tokens_per_microbatch")
+        same += ("target_len", "max_tokens_per_microbatch", "rollout_actors")
         if any(getattr(opts, k) != getattr(self.opts, k) for k in same):
             raise InvalidArgument(f"a cluster runs one shape; start another for different {same}")
         self.policy.build(opts.factories())
-        self.policy.connect(url)
         gather(
-            [self.rollout.reset.remote(opts.seed), self.rollout.connect.remote(url)],
+            [a.reset.remote(opts.seed) for a in self.rollouts],
             timeout_s=60,
             what="rollout reset",
-            names=["rollout", "rollout"],
+            names=[f"rollout {i}" for i in range(len(self.rollouts))],
         )
+        self.connect(url)
         self.opts = opts
 
     def shutdown(self) -> None:
         import ray
 
         self.policy.shutdown()
-        ray.kill(self.rollout, no_restart=True)
+        for actor in self.rollouts:
+            ray.kill(actor, no_restart=True)
 
 
 def _machine() -> dict[str, Any]:
@@ -194,10 +238,83 @@ def _line(s: dict[str, Any], total: int) -> str:
         middle = f"value loss {num(s['value_loss'], '.4f')}  explained var {num(s['explained_variance'], '+.3f')}"
     else:
         middle = f"dropped {s['dropped_groups']}/{s['groups']}"
+    if "staleness_max" in s:  # asynchronous
+        middle += (
+            f"  stale {s['staleness_max']}/{s['staleness_mean']:.2f}  buffer {s['buffer_occupancy']}  "
+            f"waits rollout {s['rollout_wait_seconds']:.2f} s train {s['train_wait_seconds']:.2f} s"
+        )
     return (
         f"step {s['step'] + 1:>3}/{total}  reward {s['reward_mean']:.3f}  kl {num(s['kl'], '.4f')}  "
         f"loss {num(s['loss'], '+.4f')}  {middle}  {s['seconds']:.2f} s (data plane {s['data_plane_seconds']:.3f} s)"
     )
+
+
+class _Progress:
+    """Step lines to ``out``; a progress bar on stderr when it is a terminal."""
+
+    def __init__(self, opts: Options, out: Any) -> None:
+        self.opts, self.out, self.done_steps = opts, out, 0
+        self.tty = opts.progress and sys.stderr.isatty()
+
+    def step(self, summary: dict[str, Any]) -> None:
+        self.done_steps += 1
+        if not self.opts.progress:
+            return
+        if self.tty:
+            sys.stderr.write("\r\033[K")
+        print(_line(summary, self.opts.steps), file=self.out, flush=True)
+        if self.tty:
+            sys.stderr.write(_bar(self.done_steps, self.opts.steps))
+            sys.stderr.flush()
+
+    def done(self) -> None:
+        if self.tty:
+            sys.stderr.write("\r\033[K")
+
+
+def _run_async(
+    opts: Options, cluster: Cluster, url: str, on_step: Callable[[Any, Any], None] | None, progress: _Progress
+) -> tuple[float, list[dict[str, Any]], dict[str, Any]]:
+    """The asynchronous run: a controller actor (:class:`~integrations.rl.controller.AsyncGRPO`) over
+    the cluster's actors; this driver only asks it for one step at a time."""
+    import ray
+
+    timeout = 2 * opts.grpo_config().timeout_s + 60
+    controller = (
+        ray.remote(AsyncGRPO).options(num_cpus=0).remote(cluster.policy, cluster.rollouts, opts.async_config(), url=url)
+    )
+
+    def call(method: str) -> Any:
+        return gather([getattr(controller, method).remote()], timeout_s=timeout, what=method, names=["controller"])[0]
+
+    steps: list[dict[str, Any]] = []
+    stats: dict[str, Any] = {}
+    try:
+        call("start")
+        t_ready = time.perf_counter()
+        for _ in range(opts.steps):
+            record = call("step")
+            if on_step is not None:
+                on_step(record, controller)
+            steps.append(record.summary())
+            progress.step(steps[-1])
+    finally:
+        try:
+            stats = call("stop")
+        finally:
+            ray.kill(controller, no_restart=True)
+    rollouts = []
+    for i, actor in enumerate(cluster.rollouts):
+        if f"rollout {i}" not in stats["lost_actors"]:
+            rollouts += gather([actor.traffic.remote()], timeout_s=60, what="traffic", names=[f"rollout {i}"])
+    mine = stats.pop("traffic")
+    extra = {
+        "max_trained_staleness": stats["max_trained_staleness"],
+        "controller": stats,
+        "traffic": add_totals(mine, *cluster.policy.traffic(), *rollouts),
+        "controller_traffic": mine,
+    }
+    return t_ready, steps, extra
 
 
 def run(
@@ -239,32 +356,28 @@ def run(
         url = None if client is None else client.url
         if cluster is None:
             cluster = Cluster.start(opts)
-            cluster.policy.connect(url)
-            gather([cluster.rollout.connect.remote(url)], timeout_s=60, what="rollout connect", names=["rollout"])
+            cluster.connect(url)
         else:
             cluster.reset(opts, url)
-        loop = opts.loop(cluster.policy, cluster.rollout, client)
-        loop.sync_weights()
-        t_ready = time.perf_counter()
-        steps: list[dict[str, Any]] = []
-        tty = opts.progress and sys.stderr.isatty()
-        for step in range(opts.steps):
-            record = loop.step(step)
-            if on_step is not None:
-                on_step(record, loop)
-            steps.append(record.summary())
-            if opts.progress:
-                if tty:
-                    sys.stderr.write("\r\033[K")
-                print(_line(steps[-1], opts.steps), file=out, flush=True)
-                if tty:
-                    sys.stderr.write(_bar(step + 1, opts.steps))
-                    sys.stderr.flush()
-        if tty:
-            sys.stderr.write("\r\033[K")
+        progress = _Progress(opts, out)
+        if opts.algorithm == "grpo_async":
+            assert url is not None
+            t_ready, steps, extra = _run_async(opts, cluster, url, on_step, progress)
+            totals, driver = extra.pop("traffic"), extra.pop("controller_traffic")
+        else:
+            loop = opts.loop(cluster.policy, cluster.rollout, client)
+            loop.sync_weights()
+            t_ready = time.perf_counter()
+            steps = []
+            for step in range(opts.steps):
+                record = loop.step(step)
+                if on_step is not None:
+                    on_step(record, loop)
+                steps.append(record.summary())
+                progress.step(steps[-1])
+            totals, driver, extra = loop.traffic(), loop.meter.totals(), {}
+        progress.done()
         digest = cluster.policy.param_digest()
-        totals = loop.traffic()
-        driver = loop.meter.totals()
         doc = {
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "algorithm": opts.algorithm,
@@ -285,6 +398,7 @@ def run(
             "total_seconds": time.perf_counter() - t_start,
             "machine": _machine(),
             "ray_node": ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]
+            **extra,
         }
     finally:
         if own_cluster and cluster is not None:
@@ -301,7 +415,8 @@ def parse_args(argv: Sequence[str] | None = None, *, defaults: Options, module: 
     p = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n")[0])
     p.add_argument("--steps", type=int, default=20, help="GRPO steps (default 20)")
     p.add_argument("--backend", default="mooncake://local", help="data plane URL (default mooncake://local)")
-    p.add_argument("--transport", choices=["dataplane", "inline"], default="dataplane")
+    if defaults.algorithm != "grpo_async":
+        p.add_argument("--transport", choices=["dataplane", "inline"], default="dataplane")
     p.add_argument("--train-step", choices=["split", "monolithic"], default="split")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dp", type=int, default=2, help="data-parallel trainer ranks (default 2)")
@@ -315,16 +430,36 @@ def parse_args(argv: Sequence[str] | None = None, *, defaults: Options, module: 
             action="store_true",
             help="ablation: keep the value head's output at t where it is (one token late) instead of shifting it right",
         )
+    if defaults.algorithm == "grpo_async":
+        p.add_argument(
+            "--max-staleness",
+            type=int,
+            default=defaults.max_staleness,
+            metavar="K",
+            help=f"train groups sampled at most K versions ago (default {defaults.max_staleness})",
+        )
+        p.add_argument(
+            "--capacity",
+            type=int,
+            default=None,
+            help="replay buffer slots, reserved or committed (default (K + 1) x prompts per step)",
+        )
+        p.add_argument("--in-order", action="store_true", help="train groups in the order their prompts were issued")
+        p.add_argument("--rollout-actors", type=int, default=defaults.rollout_actors)
     p.add_argument("--json", metavar="PATH", help="write the run here")
     a = p.parse_args(argv)
-    ppo = defaults.algorithm == "ppo"
+    ppo, asynchronous = defaults.algorithm == "ppo", defaults.algorithm == "grpo_async"
     return replace(
         defaults,
+        max_staleness=a.max_staleness if asynchronous else defaults.max_staleness,
+        capacity=a.capacity if asynchronous else defaults.capacity,
+        in_order=a.in_order if asynchronous else defaults.in_order,
+        rollout_actors=a.rollout_actors if asynchronous else defaults.rollout_actors,
         value_lr=a.value_lr if ppo else defaults.value_lr,
         value_shift=not a.no_value_shift if ppo else True,
         steps=a.steps,
         backend=a.backend,
-        transport=a.transport,
+        transport=getattr(a, "transport", "dataplane"),
         train_step=a.train_step,
         seed=a.seed,
         dp=a.dp,
@@ -349,7 +484,10 @@ def main(argv: Sequence[str] | None, *, defaults: Options, module: str, doc: str
         moved = "no data plane: the tensors went through the driver"
     else:
         share = result["driver_bytes_get"] / result["bytes_get"] if result["bytes_get"] else 0.0
-        moved = f"the driver read {result['driver_bytes_get']} of the {result['bytes_get']} bytes read ({share:.2%})"
+        who = "controller" if opts.algorithm == "grpo_async" else "driver"
+        moved = f"the {who} read {result['driver_bytes_get']} of the {result['bytes_get']} bytes read ({share:.2%})"
+    if opts.algorithm == "grpo_async":
+        moved += f"; trained rows at most {result['max_trained_staleness']} versions stale"
     print(
         f"reward {first:.3f} -> {tail:.3f} (mean of the last {len(last3)} steps) in {result['total_seconds']:.1f} s; "
         f"params sha256 {result['param_sha256'][:16]}..., norm {result['param_norm']:.6f}; {moved}"
