@@ -9,6 +9,7 @@ last: it leaves the group dead.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -20,10 +21,12 @@ from test_math import ref_gae  # the per-row scalar GAE loop (a sibling test mod
 
 import dataplane
 from dataplane.columns import read_columns
+from integrations.rl.controller import AsyncGRPO
 from integrations.rl.conventions import ADVANTAGES, INPUT_IDS, LOSS_MASK, RETURNS, REWARD, VALUES
 from integrations.rl.examples import grpo_tiny, ppo_tiny
 from integrations.rl.grpo import GRPO, GRPOConfig
 from integrations.rl.policy import ActorFailure
+from integrations.rl.rollout_actor import RolloutActor
 from integrations.rl.sync_loop import StepRecord
 from integrations.rl.trainer_actor import row_fingerprint
 
@@ -313,6 +316,119 @@ def test_init_local_ray_checks_its_arguments_and_leaves_a_running_ray_alone(clus
     with pytest.raises(dataplane.InvalidArgument, match="sets address itself"):
         init_local_ray(2, address="auto")
     assert init_local_ray(2) is False  # the module's Ray runs already: nothing changes
+
+
+# -- asynchronous GRPO (the controller actor over the same trainers) -----------------------------------
+ASYNC_OPTS = replace(OPTS, algorithm="grpo_async")
+
+
+class ScriptedRollout(RolloutActor):
+    """A real rollout actor (it samples and writes real rows) that follows a script per call: sleep
+    ``delay_s`` first; at the calls in ``fail_at`` write one row of the first group and raise; at call
+    ``die_at`` end its process."""
+
+    def script(self, delay_s: float = 0.0, fail_at: tuple[int, ...] = (), die_at: int | None = None) -> None:
+        self.delay_s, self.fail_at, self.die_at, self.calls = delay_s, fail_at, die_at, 0
+
+    def rollout_groups(self, groups: Any, partition_id: str, *, write: bool = True) -> Any:
+        self.calls += 1
+        time.sleep(self.delay_s)
+        if self.calls == self.die_at:
+            os._exit(1)
+        if self.calls in self.fail_at:
+            step, index = groups[0]
+            ids = torch.ones(1, 5, dtype=torch.int64)
+            self._client.kv_batch_put([f"s{step}p{index}_g0"], {INPUT_IDS: ids}, partition_id=partition_id)
+            raise RuntimeError(f"scripted failure of call {self.calls}, after writing one row")
+        return super().rollout_groups(groups, partition_id, write=write)
+
+
+@pytest.fixture(scope="module")
+def scripted(cluster: grpo_tiny.Cluster) -> Iterator[grpo_tiny.Cluster]:
+    """The module's trainers and rollout actor, and a scripted rollout actor (``rollouts[1]``)."""
+    import ray
+
+    opts = replace(ASYNC_OPTS, rollout_actors=2)
+    kw = {"prompts_per_step": opts.prompts_per_step, "group_size": opts.group_size}
+    actor = ray.remote(ScriptedRollout).options(num_cpus=0.1).remote(opts.model(), opts.task(), **kw)
+    yield grpo_tiny.Cluster(cluster.policy, [cluster.rollout, actor], opts)
+    ray.kill(actor)
+
+
+def check_the_run_left_nothing(stats: dict[str, Any], client: Any, steps: int) -> None:
+    """What every asynchronous run must leave: each reservation ended once (a commit or a release),
+    every committed group was removed, the buffer never held more than its capacity, and the store
+    holds nothing of the run."""
+    ends, buf = stats["reservations_ended"], stats["buffer"]
+    assert ends["committed"] + ends["released"] == buf["reserved"] and not stats["reservations_ended_twice"]
+    assert buf["committed"] == ends["committed"] == buf["removed"] and buf["released"] == ends["released"]
+    assert 0 < stats["peak_occupancy"] <= stats["capacity"]
+    assert not any(client.kv_list().values())
+    assert stats["steps"] == steps
+
+
+def scripted_run(cluster: grpo_tiny.Cluster, opts: Any, client: Any) -> tuple[dict[str, Any], list[Any]]:
+    """The controller in this process (the example runs the same class as a Ray actor) over the
+    cluster's trainers and scripted rollout actors."""
+    cluster.reset(opts, client.url)
+    controller = AsyncGRPO(cluster.policy, cluster.rollouts, opts.async_config(), url=client.url)
+    try:
+        controller.start()
+        records = [controller.step() for _ in range(opts.steps)]
+    finally:
+        stats = controller.stop()
+    check_the_run_left_nothing(stats, client, opts.steps)
+    return stats, records
+
+
+def trained_staleness(record: Any) -> list[int]:
+    """``version - weight_version`` of every row that reached a trainer in the step, from the shards
+    the trainers were sent (not from the controller's own count)."""
+    before = record.version - bool(record.metrics)
+    return [before - t["weight_version"] for chunk in record.chunks for shard in chunk.shards for t in shard.tags]
+
+
+def test_async_without_staleness_trains_what_sync_grpo_trains(
+    cluster: grpo_tiny.Cluster, mooncake_owner: Any, inline_run: dict[str, Any]
+) -> None:
+    """The example's path: the controller as a Ray actor."""
+    records: list[Any] = []
+    opts = replace(ASYNC_OPTS, max_staleness=0)
+    doc = grpo_tiny.run(opts, cluster=cluster, client=mooncake_owner, on_step=lambda r, _: records.append(r))
+    check_the_run_left_nothing(doc["controller"], mooncake_owner, opts.steps)
+    assert doc["param_sha256"] == inline_run["param_sha256"]  # bit for bit
+    assert [s["reward_mean"] for s in doc["steps"]] == [s["reward_mean"] for s in inline_run["steps"]]
+    assert [s["loss"] for s in doc["steps"]] == [s["loss"] for s in inline_run["steps"]]
+    assert all(trained_staleness(r) == [0] * r.rows_trained for r in records)
+    assert doc["max_trained_staleness"] == 0 and doc["driver_bytes_get"] == 0 < doc["bytes_get"]
+
+
+def test_async_in_order_trains_groups_in_issue_order_within_capacity(
+    scripted: grpo_tiny.Cluster, mooncake_owner: Any
+) -> None:
+    import ray
+
+    ray.get(scripted.rollouts[1].script.remote(0.4), timeout=60)
+    opts = replace(scripted.opts, in_order=True, max_staleness=1, capacity=OPTS.prompts_per_step + 2)
+    stats, records = scripted_run(scripted, opts, mooncake_owner)
+    issued = [i for r in records for i in r.group_ids]
+    assert issued == sorted(issued)  # the slow actor's groups hold back every later one
+    assert all(0 <= x <= 1 for r in records for x in trained_staleness(r))
+    assert stats["peak_occupancy"] <= OPTS.prompts_per_step + 2
+
+
+def test_async_window_survives_failed_rollouts_and_a_dead_actor(
+    scripted: grpo_tiny.Cluster, mooncake_owner: Any
+) -> None:
+    import ray
+
+    ray.get(scripted.rollouts[1].script.remote(0.2, fail_at=(1,), die_at=3), timeout=60)
+    stats, records = scripted_run(scripted, replace(scripted.opts, max_staleness=1), mooncake_owner)
+    stale = [x for r in records for x in trained_staleness(r)]
+    assert max(stale) == 1 and min(stale) == 0 and stats["max_trained_staleness"] == 1  # older weights were trained
+    assert stats["lost_actors"] == ["rollout 1"]  # the run went on with the other actor
+    assert stats["failed_rollouts"] >= 2 and stats["buffer"]["released"] >= 2  # the failed and the lost calls
+    assert records[-1].version == stats["version"] >= 1
 
 
 def test_a_trainer_dying_mid_step_raises_a_typed_error_and_leaves_nothing(
