@@ -34,6 +34,10 @@ training, nothing issued is wasted. ``capacity`` bounds the slots reserved or co
 With ``max_staleness=0`` and every group's rollout finished before the step that trains it, a step
 trains the same groups, sampled with the same weights and generators, in the same order as
 synchronous GRPO: the runs end with the same parameters (shown by the tests).
+
+>>> cfg = AsyncConfig(groups_per_step=16, max_staleness=1)
+>>> cfg.slots, cfg.staleness()
+(32, StalenessPolicy(max_staleness=1, ordered=False))
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ class RolloutResult:
         rewards: ``[rows]`` float32, per row.
         data: the rows' tensors (``[rows, width]``, zeros past each row's length) when the rollout was
             asked for them instead of writing (a trainer without a data plane); else None.
-        seconds: time spent sampling and scoring (not writing).
+        seconds: time spent sampling and scoring, with the actor's ``latency_s`` (not writing).
     """
 
     meta: KVBatchMeta
@@ -100,6 +100,8 @@ class RolloutActor:
         seed: the sampling seed (each group's generator is seeded from ``(seed, step, prompt)``).
         reward_fn: ``(prompt tokens, response tokens) -> float``; default ``task.reward``.
         threads: torch threads of this process.
+        latency_s: idle seconds added to every rollout call (no CPU used): stands in for an inference
+            engine on hardware of its own, to measure what overlapping rollouts with training buys.
     """
 
     def __init__(
@@ -114,10 +116,14 @@ class RolloutActor:
         seed: int = 0,
         reward_fn: RewardFn | None = None,
         threads: int = 1,
+        latency_s: float = 0.0,
     ) -> None:
         for name, value in (("prompts_per_step", prompts_per_step), ("group_size", group_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgument(f"{name} must be an int >= 1, got {value!r}")
+        if isinstance(latency_s, bool) or not isinstance(latency_s, (int, float)) or not 0 <= latency_s < 3600:
+            raise InvalidArgument(f"latency_s must be a number of seconds in [0, 3600), got {latency_s!r}")
+        self.latency_s = float(latency_s)
         torch.set_num_threads(threads)
         self.config = config
         self.task = task or CountingTask(vocab_size=config.vocab_size)
@@ -205,6 +211,8 @@ class RolloutActor:
             {INPUT_IDS: tokens, LOSS_MASK: mask, GEN_LOGPROBS: gen.logprobs, REWARD: rewards},
             batch_size=[tokens.shape[0]],
         )
+        if self.latency_s:
+            time.sleep(self.latency_s)
         seconds = time.perf_counter() - t0
         tags = {"weight_version": self.weight_version}
         if not write:

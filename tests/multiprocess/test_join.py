@@ -53,7 +53,8 @@ def no_url_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     "url",
     [
         pytest.param("mooncake://local", marks=pytest.mark.mooncake),
-        pytest.param("tq://?backend=simple", marks=pytest.mark.tq),
+        # soak: a Ray and a TransferQueue of its own cost ~50 s of CI; the tq:// multi-process tests cover the path
+        pytest.param("tq://?backend=simple", marks=[pytest.mark.tq, pytest.mark.soak]),
     ],
 )
 def test_readme_many_processes_script_reads_the_owners_rows_everywhere(url: str) -> None:

@@ -60,6 +60,7 @@ class Options:
     capacity: int | None = None
     in_order: bool = False
     rollout_actors: int = 1
+    rollout_latency: float = 0.0
     json: str | None = None
     progress: bool = True
 
@@ -74,6 +75,8 @@ class Options:
             self.async_config()  # validates --max-staleness and --capacity
         if self.transport not in ("dataplane", "inline"):
             raise InvalidArgument(f"--transport must be 'dataplane' or 'inline', got {self.transport!r}")
+        if not 0 <= self.rollout_latency < 3600:
+            raise InvalidArgument(f"--rollout-latency must be in [0, 3600) seconds, got {self.rollout_latency!r}")
         for name in ("steps", "dp", "tp", "prompts_per_step", "group_size", "max_new_tokens", "rollout_actors"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -167,6 +170,7 @@ class Cluster:
                 group_size=opts.group_size,
                 max_new_tokens=opts.max_new_tokens,
                 seed=opts.seed,
+                latency_s=opts.rollout_latency,
             )
             for _ in range(opts.rollout_actors)
         ]
@@ -185,7 +189,7 @@ class Cluster:
     def reset(self, opts: Options, url: str | None) -> None:
         """Fresh models from ``opts.seed``, the rollout's seed, and the data plane at ``url`` (or none)."""
         same: tuple[str, ...] = ("dp", "tp", "prompts_per_step", "group_size", "max_new_tokens", "vocab_size")
-        same += ("target_len", "max_tokens_per_microbatch", "rollout_actors")
+        same += ("target_len", "max_tokens_per_microbatch", "rollout_actors", "rollout_latency")
         if any(getattr(opts, k) != getattr(self.opts, k) for k in same):
             raise InvalidArgument(f"a cluster runs one shape; start another for different {same}")
         self.policy.build(opts.factories())
@@ -430,6 +434,13 @@ def parse_args(argv: Sequence[str] | None = None, *, defaults: Options, module: 
             action="store_true",
             help="ablation: keep the value head's output at t where it is (one token late) instead of shifting it right",
         )
+    p.add_argument(
+        "--rollout-latency",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="idle seconds added to every rollout call: an inference engine on hardware of its own (default 0)",
+    )
     if defaults.algorithm == "grpo_async":
         p.add_argument(
             "--max-staleness",
@@ -455,6 +466,7 @@ def parse_args(argv: Sequence[str] | None = None, *, defaults: Options, module: 
         capacity=a.capacity if asynchronous else defaults.capacity,
         in_order=a.in_order if asynchronous else defaults.in_order,
         rollout_actors=a.rollout_actors if asynchronous else defaults.rollout_actors,
+        rollout_latency=a.rollout_latency,
         value_lr=a.value_lr if ppo else defaults.value_lr,
         value_shift=not a.no_value_shift if ppo else True,
         steps=a.steps,

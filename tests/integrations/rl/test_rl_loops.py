@@ -461,15 +461,16 @@ def test_a_trainer_dying_mid_step_raises_a_typed_error_and_leaves_nothing(
 
 
 @pytest.mark.soak
-def test_the_example_command_learns(tmp_path: Any) -> None:
-    """The README's command as a user runs it (a fresh process: its own Ray and Mooncake), 20 steps."""
+@pytest.mark.parametrize("example", ["grpo_tiny", "grpo_async_tiny"])
+def test_the_example_command_learns(example: str, tmp_path: Any) -> None:
+    """The README's commands as a user runs them (a fresh process: its own Ray and Mooncake), 20 steps."""
     import json
     import subprocess
     import sys
 
     out = tmp_path / "run.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "integrations.rl.examples.grpo_tiny", "--steps", "20", "--json", str(out)],
+        [sys.executable, "-m", f"integrations.rl.examples.{example}", "--steps", "20", "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -481,3 +482,5 @@ def test_the_example_command_learns(tmp_path: Any) -> None:
     assert sum(last3) / 3 > first + 0.25, [s["reward_mean"] for s in doc["steps"]]
     assert doc["bytes_get"] > 0 and doc["driver_bytes_get"] < 0.01 * doc["bytes_get"]
     assert proc.stdout.count("step ") >= 20 and "reward" in proc.stdout.splitlines()[-2]
+    if example == "grpo_async_tiny":  # the default --max-staleness 1
+        assert doc["max_trained_staleness"] == 1 and all(s["staleness_max"] <= 1 for s in doc["steps"])

@@ -145,6 +145,7 @@ WITHOUT_EXAMPLES = {
     "integrations.rl.examples.common",
     "integrations.rl.examples.grpo_tiny",
     "integrations.rl.examples.ppo_tiny",
+    "integrations.rl.examples.grpo_async_tiny",
     "integrations.rl.weight_sync",
     "integrations.rl.sync_loop",
 }
