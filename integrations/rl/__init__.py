@@ -4,8 +4,11 @@ step, and worker glue for FSDP2/DTensor trainers (:mod:`integrations.rl.workers`
 Synchronous GRPO over Ray actors lives in :mod:`integrations.rl.grpo` (driver),
 :mod:`integrations.rl.policy` (the handle on a trainer group), :mod:`integrations.rl.trainer_actor`,
 :mod:`integrations.rl.rollout_actor` and :mod:`integrations.rl.weight_sync`; a runnable example in
-:mod:`integrations.rl.examples.grpo_tiny`. Only public ``dataplane`` names are used; Ray is never
-imported here, and those modules import it only where a call needs it. See ``docs/rl.md``.
+:mod:`integrations.rl.examples.grpo_tiny`; PPO in :mod:`integrations.rl.ppo`. Asynchronous GRPO with a
+single controller: :mod:`integrations.rl.controller` over :mod:`integrations.rl.replay` and
+:mod:`integrations.rl.staleness` (example :mod:`integrations.rl.examples.grpo_async_tiny`). Only public
+``dataplane`` names are used; Ray is never imported here, and those modules import it only where a
+call needs it. See ``docs/rl.md``.
 
 >>> import torch
 >>> from integrations.rl import group_advantages

@@ -121,6 +121,9 @@ class AsyncConfig:
 class AsyncStepRecord(StepRecord):
     """One asynchronous step: a :class:`~integrations.rl.sync_loop.StepRecord` plus
 
+    ``rollout_seconds`` is the time the rollout actors spent sampling and scoring in the calls that
+    landed since the last step (summed over actors; it overlaps training).
+
     Attributes:
         trained_uids: the trained groups (dynamic sampling's drops excluded), in training order.
         group_ids: issue order of every group the step consumed.
@@ -209,7 +212,7 @@ class AsyncGRPO:
         self._aborted: set[int] = set()  # in-flight slot ids to release when their rollout returns
         self._ends: dict[int, str] = {}  # slot id -> "committed" / "released": every reservation ends once
         self._double_ends: list[str] = []  # (never, unless a bug) reservations that ended twice
-        self._counts = {"idle": 0.0, "evicted": 0, "aborted": 0, "failed": 0}
+        self._counts = {"idle": 0.0, "sampling": 0.0, "evicted": 0, "aborted": 0, "failed": 0}
         self._last_counts = dict(self._counts)
         self.lost_actors: list[str] = []
         self.trained_staleness: list[int] = []
@@ -241,8 +244,11 @@ class AsyncGRPO:
         for slot in self.buffer.reserved():  # a pump that did not come back in time
             self._end(slot, "released")
         self.buffer.remove(self.buffer.ready())
-        self.client.close()
-        self._pump_client.close()
+        closers = [threading.Thread(target=c.close) for c in (self.client, self._pump_client)]  # ~1 s each
+        for t in closers:
+            t.start()
+        for t in closers:
+            t.join(60)
         return self.stats()
 
     def stats(self) -> dict[str, Any]:
@@ -306,7 +312,7 @@ class AsyncGRPO:
         with self._cond:
             delta = {k: self._counts[k] - self._last_counts[k] for k in self._counts}
             self._last_counts = dict(self._counts)
-        record.train_wait_seconds = float(delta["idle"])
+        record.train_wait_seconds, record.rollout_seconds = float(delta["idle"]), float(delta["sampling"])
         record.evicted_groups, record.aborted_groups = int(delta["evicted"]), int(delta["aborted"])
         record.failed_rollouts = int(delta["failed"])
         record.seconds = time.perf_counter() - t0
@@ -436,6 +442,8 @@ class AsyncGRPO:
 
     def _commit(self, slots: list[Slot], ro: Any) -> None:
         size = self.config.group_size
+        with self._cond:
+            self._counts["sampling"] += float(ro.seconds)
         for k, slot in enumerate(slots):
             rows = list(range(k * size, (k + 1) * size))
             with self._cond:
