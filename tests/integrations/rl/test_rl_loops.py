@@ -320,26 +320,36 @@ def test_init_local_ray_checks_its_arguments_and_leaves_a_running_ray_alone(clus
 
 # -- asynchronous GRPO (the controller actor over the same trainers) -----------------------------------
 ASYNC_OPTS = replace(OPTS, algorithm="grpo_async")
+SCRIPTED_OPTS = replace(ASYNC_OPTS, rollout_actors=2)  # the real rollout actor and a scripted one
 
 
 class ScriptedRollout(RolloutActor):
     """A real rollout actor (it samples and writes real rows) that follows a script per call: sleep
-    ``delay_s`` first; at the calls in ``fail_at`` write one row of the first group and raise; at call
-    ``die_at`` end its process."""
+    ``delay_s`` first; at the calls in ``fail_at`` write the first group's rows and raise; at call
+    ``die_at`` end its process; call ``hold_at`` waits (at most 120 s) until the file ``hold`` exists."""
 
-    def script(self, delay_s: float = 0.0, fail_at: tuple[int, ...] = (), die_at: int | None = None) -> None:
+    def script(
+        self,
+        delay_s: float = 0.0,
+        fail_at: tuple[int, ...] = (),
+        die_at: int | None = None,
+        hold_at: int | None = None,
+        hold: str = "",
+    ) -> None:
         self.delay_s, self.fail_at, self.die_at, self.calls = delay_s, fail_at, die_at, 0
+        self.hold_at, self.hold = hold_at, hold
 
     def rollout_groups(self, groups: Any, partition_id: str, *, write: bool = True) -> Any:
         self.calls += 1
         time.sleep(self.delay_s)
+        deadline = time.monotonic() + 120
+        while self.calls == self.hold_at and not os.path.exists(self.hold) and time.monotonic() < deadline:
+            time.sleep(0.05)
         if self.calls == self.die_at:
             os._exit(1)
-        if self.calls in self.fail_at:
-            step, index = groups[0]
-            ids = torch.ones(1, 5, dtype=torch.int64)
-            self._client.kv_batch_put([f"s{step}p{index}_g0"], {INPUT_IDS: ids}, partition_id=partition_id)
-            raise RuntimeError(f"scripted failure of call {self.calls}, after writing one row")
+        if self.calls in self.fail_at:  # a write that stored some rows, then failed
+            super().rollout_groups(groups[:1], partition_id, write=write)
+            raise RuntimeError(f"scripted failure of call {self.calls}, after writing its first group")
         return super().rollout_groups(groups, partition_id, write=write)
 
 
@@ -348,7 +358,7 @@ def scripted(cluster: grpo_tiny.Cluster) -> Iterator[grpo_tiny.Cluster]:
     """The module's trainers and rollout actor, and a scripted rollout actor (``rollouts[1]``)."""
     import ray
 
-    opts = replace(ASYNC_OPTS, rollout_actors=2)
+    opts = SCRIPTED_OPTS
     kw = {"prompts_per_step": opts.prompts_per_step, "group_size": opts.group_size}
     actor = ray.remote(ScriptedRollout).options(num_cpus=0.1).remote(opts.model(), opts.task(), **kw)
     yield grpo_tiny.Cluster(cluster.policy, [cluster.rollout, actor], opts)
@@ -367,14 +377,20 @@ def check_the_run_left_nothing(stats: dict[str, Any], client: Any, steps: int) -
     assert stats["steps"] == steps
 
 
-def scripted_run(cluster: grpo_tiny.Cluster, opts: Any, client: Any) -> tuple[dict[str, Any], list[Any]]:
+def scripted_run(
+    cluster: grpo_tiny.Cluster, opts: Any, client: Any, after_step: Any = None
+) -> tuple[dict[str, Any], list[Any]]:
     """The controller in this process (the example runs the same class as a Ray actor) over the
-    cluster's trainers and scripted rollout actors."""
+    cluster's trainers and scripted rollout actors; ``after_step(i)`` runs after step ``i``."""
     cluster.reset(opts, client.url)
     controller = AsyncGRPO(cluster.policy, cluster.rollouts, opts.async_config(), url=client.url)
+    records = []
     try:
         controller.start()
-        records = [controller.step() for _ in range(opts.steps)]
+        for i in range(opts.steps):
+            records.append(controller.step())
+            if after_step is not None:
+                after_step(i)
     finally:
         stats = controller.stop()
     check_the_run_left_nothing(stats, client, opts.steps)
@@ -409,7 +425,7 @@ def test_async_in_order_trains_groups_in_issue_order_within_capacity(
     import ray
 
     ray.get(scripted.rollouts[1].script.remote(0.4), timeout=60)
-    opts = replace(scripted.opts, in_order=True, max_staleness=1, capacity=OPTS.prompts_per_step + 2)
+    opts = replace(SCRIPTED_OPTS, in_order=True, max_staleness=1, capacity=OPTS.prompts_per_step + 2)
     stats, records = scripted_run(scripted, opts, mooncake_owner)
     issued = [i for r in records for i in r.group_ids]
     assert issued == sorted(issued)  # the slow actor's groups hold back every later one
@@ -417,17 +433,28 @@ def test_async_in_order_trains_groups_in_issue_order_within_capacity(
     assert stats["peak_occupancy"] <= OPTS.prompts_per_step + 2
 
 
-def test_async_window_survives_failed_rollouts_and_a_dead_actor(
-    scripted: grpo_tiny.Cluster, mooncake_owner: Any
+def test_async_window_aborts_stale_rollouts_and_survives_failed_ones_and_a_dead_actor(
+    scripted: grpo_tiny.Cluster, mooncake_owner: Any, tmp_path: Any
 ) -> None:
+    """The scripted actor's first call fails after writing a group, its second is held until the trainer
+    is 4 versions on (too stale: aborted at a weight sync, released when it lands), its third kills it."""
     import ray
 
-    ray.get(scripted.rollouts[1].script.remote(0.2, fail_at=(1,), die_at=3), timeout=60)
-    stats, records = scripted_run(scripted, replace(scripted.opts, max_staleness=1), mooncake_owner)
+    hold = tmp_path / "go"
+    ray.get(scripted.rollouts[1].script.remote(fail_at=(1,), hold_at=2, hold=str(hold), die_at=3), timeout=60)
+
+    def after_step(i: int) -> None:
+        if i == 3:
+            hold.touch()
+
+    stats, records = scripted_run(scripted, replace(SCRIPTED_OPTS, max_staleness=1), mooncake_owner, after_step)
     stale = [x for r in records for x in trained_staleness(r)]
     assert max(stale) == 1 and min(stale) == 0 and stats["max_trained_staleness"] == 1  # older weights were trained
+    assert stats["aborted_groups"] >= 1  # the held call's groups, which landed too stale to train
     assert stats["lost_actors"] == ["rollout 1"]  # the run went on with the other actor
-    assert stats["failed_rollouts"] >= 2 and stats["buffer"]["released"] >= 2  # the failed and the lost calls
+    assert stats["failed_rollouts"] == 2  # the call that failed and the one whose actor died
+    # released: the aborted groups and those of the two failed calls (with the rows the first one wrote)
+    assert stats["buffer"]["released"] >= stats["aborted_groups"] + 2
     assert records[-1].version == stats["version"] >= 1
 
 
