@@ -67,7 +67,9 @@ def generate(
     Sampling is from ``softmax(logits / temperature)`` with ``generator`` (same seed, same weights:
     same tokens). The returned logprobs are those of the sampled tokens under that distribution.
     A sequence of ``k`` generators splits the rows into ``k`` equal consecutive blocks (groups), each
-    sampled with its own: a block's tokens are then what generating it alone would give.
+    sampled with its own: a block's samples are then what generating it alone would give, up to the
+    batched forward's rounding (its logprobs may differ in the last bit, and a token only where that
+    moves a sampling boundary).
     """
     if prompts.dim() != 2 or prompts.shape[1] < 1 or prompts.dtype != torch.int64:
         raise InvalidArgument(f"prompts must be int64 [B, P] with P >= 1, got {prompts.dtype} {tuple(prompts.shape)}")

@@ -3,10 +3,11 @@
 :class:`RolloutActor` is a plain class; run it as a Ray actor (``ray.remote(RolloutActor)``). Each
 :meth:`~RolloutActor.rollout` samples ``group_size`` responses for each of ``prompts_per_step``
 prompts, each group with a generator of its own seeded from ``(seed, step, prompt)`` (the same seed
-and weights give the same tokens, whatever ran before and whichever call or actor sampled the group), scores them with the reward function, and writes them with
+and weights give the same tokens, whatever ran before and whichever call or actor sampled the
+group), scores them with the reward function, and writes them with
 :func:`dataplane.columns.first_write`: keys ``f"{uid}_g{i}"``, tags ``uid``, ``sample_idx`` and
-``weight_version``, token fields ``input_ids``, ``loss_mask`` and ``gen_logprobs`` plus ``reward``
-per row. It returns the meta and the per-row rewards only; the bulk stays in the store.
+``weight_version``, token fields ``input_ids``, ``loss_mask`` and ``gen_logprobs`` plus ``reward`` per
+row. It returns the meta and the per-row rewards only; the bulk stays in the store.
 
 Weights arrive through :meth:`~RolloutActor.load_weights` (whole parameters by name, what a trainer
 group's ``state_dict_ref`` holds); see :mod:`integrations.rl.weight_sync`.
@@ -179,9 +180,9 @@ class RolloutActor:
     ) -> RolloutResult:
         """Sample, score and write the groups ``(step, index)``: group ``(s, i)`` gets uid ``f"s{s}p{i}"``
         and its own generator, seeded from ``(seed, s, i)``, so its prompt and samples depend only on the
-        seed, the group and the weights, not on which call or actor produced it (nor on the batch, for a
-        model whose forward is batch-invariant, as the tiny model's is on CPU). Rows are uid-major in
-        the order of ``groups``; see :meth:`rollout` for ``write``."""
+        seed, the group and the weights, not on which call or actor produced it, up to the batched
+        forward's rounding (``gen_logprobs`` may differ in the last bit between batches of other
+        sizes). Rows are uid-major in the order of ``groups``; see :meth:`rollout` for ``write``."""
         if write and self._client is None:
             raise InvalidArgument("this rollout actor has no data plane; connect(url) first, or pass write=False")
         uids = [f"s{s}p{i}" for s, i in groups]

@@ -329,13 +329,15 @@ def run(
     on_step: Callable[[StepRecord, SyncLoop], None] | None = None,
     out: Any = None,
 ) -> dict[str, Any]:
-    """Run ``opts.steps`` GRPO steps and return the run's JSON document (also written to ``opts.json``).
+    """Run ``opts.steps`` steps of ``opts.algorithm`` and return the run's JSON document (also written
+    to ``opts.json``).
 
     Args:
         opts: the settings.
         cluster: actors to reuse (reset to ``opts.seed``); default: start them, and stop them at the end.
         client: the driver's client of ``opts.backend`` (default: connect, and close at the end).
-        on_step: called after each step with its record and the trainer (tests look at the store here).
+        on_step: called after each step with its record and the loop (the ``SyncLoop``; for
+            ``grpo_async``, the controller actor's handle): tests look at the store here.
         out: where step lines go (default stdout; the progress bar goes to stderr when it is a terminal).
     """
     import ray

@@ -262,6 +262,13 @@ def test_rollout_actor_writes_keys_tags_and_token_aligned_fields() -> None:
             row = rows[INPUT_IDS][i][:n].tolist()
             assert row == again.data[INPUT_IDS][i][:n].tolist()
             assert out.rewards[i].item() == task.reward(row[:4], row[4:])
+    # a group's rows do not depend on the call that sampled it (async rollouts ask for groups one by one)
+    alone = actor.rollout_groups([(2, 1)], "p", write=False)
+    assert alone.meta.keys == meta.keys[4:8] and alone.data is not None
+    for name in (INPUT_IDS, LOSS_MASK, REWARD):  # gen_logprobs may differ in the last bit (another batch)
+        assert torch.equal(alone.data[name], again.data[name][4:8]), name
+    with pytest.raises(dataplane.InvalidArgument, match="distinct"):
+        actor.rollout_groups([(2, 1), (2, 1)], "p", write=False)
 
 
 def test_gather_names_who_failed_and_never_waits_past_its_timeout(cluster: grpo_tiny.Cluster) -> None:
