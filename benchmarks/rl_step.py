@@ -1,7 +1,7 @@
 """``python -m benchmarks.rl_step``: what the data plane saves in one RL step, against the driver funnel.
 
     python -m benchmarks.rl_step                       # 64 MB and 512 MB batches, every installed backend
-    python -m benchmarks.rl_step --quick               # the CI smoke run (small, figures mean nothing)
+    python -m benchmarks.rl_step --quick               # the smoke run (small, figures mean nothing)
     python -m benchmarks.rl_step --sizes 64 --json step.json --plot step.png
 
 Replays the data movement of one GRPO step, without model compute, between one rollout process,
@@ -560,7 +560,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.rl_step", description=(__doc__ or "").split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="the CI smoke run: a 4 MB batch, 1 step per contender")
+    p.add_argument("--quick", action="store_true", help="the smoke run: a 4 MB batch, 1 step per contender")
     p.add_argument("--sizes", default=None, help="batch sizes in MB, comma-separated (default 64,512)")
     p.add_argument("--repeat", type=int, default=None, help="steps per contender after the warm-up (default 5)")
     p.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated URLs (default: every backend)")

@@ -305,6 +305,7 @@ def test_rank_rows_benchmark_checks_every_kind_of_read(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.soak  # 60-80 s of CI (Ray, five actor processes, two TransferQueues): behind the soak marker for now
 def test_rl_step_benchmark_times_every_contender_and_phase(tmp_path: Path) -> None:
     """``--quick``: the driver funnel and every installed multi-process backend, each phase timed;
     what the trainers read is checked against the rollout's rows inside (raising otherwise)."""
