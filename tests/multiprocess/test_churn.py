@@ -78,7 +78,8 @@ def _churn(url: str, request: pytest.FixtureRequest, seconds: float, scale: int 
             owner.close()
 
 
-@pytest.mark.parametrize("url", [MOONCAKE, TQ_SIMPLE, TQ_MOONCAKE])
+# tq-mooncake churns in the soak test only (its four processes cost CI ~20 s; the soak run takes a minute of it)
+@pytest.mark.parametrize("url", [MOONCAKE, TQ_SIMPLE])
 def test_readers_see_only_whole_rows_or_key_not_found(url: str, request: pytest.FixtureRequest) -> None:
     _churn(url, request, CHURN_SECONDS)
 
