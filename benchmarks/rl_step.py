@@ -35,6 +35,7 @@ RSS growth during a step. The report goes to ``--json`` (default a dated report 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import resource
 import socket
 import statistics
@@ -54,9 +55,11 @@ import dataplane
 from benchmarks.harness import default_out, machine_info, machine_line, paired, write_report
 from benchmarks.workload import human_bytes, rollout_lengths
 from dataplane import KVBatchMeta
+from dataplane.codec import offsets_from_lengths
 from dataplane.columns import first_write
 from dataplane.preshard import shard_meta_for_dp
 from dataplane.worker.mixin import DataPlaneWorkerMixin
+from integrations.rl.advantages import group_advantages
 
 __all__ = ["PHASES", "main", "run"]
 
@@ -71,6 +74,7 @@ BYTES_PER_TOKEN = 8 + 1 + 4 + 4
 FUNNEL = "driver_funnel"
 BACKENDS = ("mooncake://local", "tq://?backend=simple", "tq://?backend=mooncake")
 MB = 1 << 20
+STEP_TIMEOUT_S = 600.0  # the most one phase's calls may take (ray.get raises GetTimeoutError past it)
 
 
 # -- the batch --------------------------------------------------------------------------------------
@@ -85,7 +89,7 @@ def make_rollout(size_bytes: int, seed: int = 0) -> TensorDict:
     rows = batch_rows(size_bytes)
     rng = np.random.default_rng(seed)
     lengths = torch.from_numpy(rollout_lengths(rows, size_bytes / BYTES_PER_TOKEN / rows, rng, max_len=MAX_LEN))
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    offsets = offsets_from_lengths(lengths)
     n = int(offsets[-1])
     g = torch.Generator().manual_seed(seed)
     flat = {
@@ -105,9 +109,9 @@ def checksum(t: torch.Tensor) -> float:
     return float(v.double().sum())
 
 
-def group_advantages(reward: torch.Tensor) -> torch.Tensor:
-    r = reward.view(-1, GROUP)
-    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).reshape(-1)
+def advantages_of(reward: torch.Tensor) -> torch.Tensor:
+    """GRPO's group-normalised advantages of a batch of ``GROUP``-sample groups (one per row)."""
+    return group_advantages(reward, torch.arange(reward.shape[0]) // GROUP)
 
 
 def fake_logprobs(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -122,8 +126,7 @@ def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     off = t.offsets().tolist()
     values = t.values()
     parts = [values[off[i] : off[i + 1]] for i in rows]
-    lengths = torch.tensor([off[i + 1] - off[i] for i in rows], dtype=torch.int64)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    offsets = offsets_from_lengths([off[i + 1] - off[i] for i in rows])
     return torch.nested.nested_tensor_from_jagged(torch.cat(parts), offsets)
 
 
@@ -292,21 +295,21 @@ def step_dataplane(
     t: dict[str, float] = {}
     partition = f"rl-step-{n}"
     t0 = time.perf_counter()
-    meta = ray.get(rollout.write.remote(url, partition))
+    meta = ray.get(rollout.write.remote(url, partition), timeout=STEP_TIMEOUT_S)
     t["rollout_write"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    adv = group_advantages(client.kv_batch_get(meta, select_fields="reward")["reward"])
+    adv = advantages_of(client.kv_batch_get(meta, select_fields="reward")["reward"])
     client.kv_batch_put(list(meta.keys), {"advantages": adv}, partition_id=partition)
     meta = meta.with_fields(["advantages"])
     t["advantages"] = time.perf_counter() - t0
     shards = shard_meta_for_dp(meta, DP)
     t0 = time.perf_counter()
-    got = ray.get([r.logprobs.remote(url, shards[i // TP]) for i, r in enumerate(ranks)])
+    got = ray.get([r.logprobs.remote(url, shards[i // TP]) for i, r in enumerate(ranks)], timeout=STEP_TIMEOUT_S)
     t["logprobs"] = time.perf_counter() - t0
     _check("logprobs", got, {k: want[k] for k in LOGPROB_FIELDS})
     shards = [s.with_fields(["prev_logprobs", "advantages"]) for s in shards]
     t0 = time.perf_counter()
-    got = ray.get([r.train.remote(url, shards[i // TP]) for i, r in enumerate(ranks)])
+    got = ray.get([r.train.remote(url, shards[i // TP]) for i, r in enumerate(ranks)], timeout=STEP_TIMEOUT_S)
     t["train"] = time.perf_counter() - t0
     _check("train", got, {k: want[k] for k in TRAIN_FIELDS})
     t0 = time.perf_counter()
@@ -321,11 +324,11 @@ def step_funnel(rollout: Any, ranks: list[Any], want: dict[str, float]) -> tuple
 
     t: dict[str, float] = {}
     t0 = time.perf_counter()
-    data = ray.get(rollout.batch.remote())
+    data = ray.get(rollout.batch.remote(), timeout=STEP_TIMEOUT_S)
     moved = nbytes(data)
     t["rollout_write"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    data["advantages"] = group_advantages(data["reward"])
+    data["advantages"] = advantages_of(data["reward"])
     t["advantages"] = time.perf_counter() - t0
     lengths = data["input_ids"].offsets().diff().tolist()
     meta = KVBatchMeta(partition_id=FUNNEL, keys=[str(i) for i in range(len(lengths))], sequence_lengths=lengths)
@@ -342,7 +345,7 @@ def step_funnel(rollout: Any, ranks: list[Any], want: dict[str, float]) -> tuple
 
     t0 = time.perf_counter()
     refs = scatter(data, LOGPROB_FIELDS)
-    out = ray.get([r.logprobs_inline.remote(refs[i // TP]) for i, r in enumerate(ranks)])
+    out = ray.get([r.logprobs_inline.remote(refs[i // TP]) for i, r in enumerate(ranks)], timeout=STEP_TIMEOUT_S)
     values = torch.empty(int(data["input_ids"].offsets()[-1]), dtype=torch.float32)  # back in batch order
     off = data["input_ids"].offsets().tolist()
     for d, r in enumerate(rows):
@@ -356,7 +359,7 @@ def step_funnel(rollout: Any, ranks: list[Any], want: dict[str, float]) -> tuple
     _check("logprobs (funnel)", [o[0] for o in out], {k: want[k] for k in LOGPROB_FIELDS})
     t0 = time.perf_counter()
     refs = scatter(data, TRAIN_FIELDS)
-    got = ray.get([r.train_inline.remote(refs[i // TP]) for i, r in enumerate(ranks)])
+    got = ray.get([r.train_inline.remote(refs[i // TP]) for i, r in enumerate(ranks)], timeout=STEP_TIMEOUT_S)
     t["train"] = time.perf_counter() - t0
     _check("train (funnel)", got, {k: want[k] for k in TRAIN_FIELDS})
     t0 = time.perf_counter()
@@ -388,7 +391,7 @@ def measure_size(rollout: Any, ranks: list[Any], urls: list[str], size_mb: int, 
     try:
         sums = ray.get(rollout.build.remote(size_mb * MB), timeout=600)
         want = {k: sums[k] for k in ROLLOUT_FIELDS if k in TRAIN_FIELDS}
-        want["advantages"] = checksum(group_advantages(ray.get(rollout.batch.remote())["reward"]))
+        want["advantages"] = checksum(advantages_of(ray.get(rollout.batch.remote(), timeout=600)["reward"]))
         want["prev_logprobs"] = -0.5 * sums["loss_mask"]  # what fake_logprobs writes, summed
         times: dict[str, list[dict[str, float]]] = {c: [] for c in [FUNNEL, *urls]}
         moved: dict[str, list[int]] = {c: [] for c in times}
@@ -436,14 +439,15 @@ def installed(urls: list[str]) -> tuple[list[str], dict[str, str]]:
     """The URLs whose backend is installed, and why each other one is skipped."""
     ok, skipped = [], {}
     for url in urls:
-        scheme = url.split("://", 1)[0]
-        mod = {"mooncake": "mooncake.store", "tq": "transfer_queue"}.get(scheme)
-        try:
-            if mod:
-                __import__(mod)
+        needs = (("transfer_queue", "ray") if url.startswith("tq://") else ()) + (
+            ("mooncake",) if "mooncake" in url else ()
+        )
+        missing = [m for m in needs if importlib.util.find_spec(m) is None]  # as BenchBackend.missing
+        if missing:
+            extra = "tq" if url.startswith("tq://") else "mooncake"
+            skipped[url] = f"needs {', '.join(missing)} (pip install 'dataplane[{extra}]')"
+        else:
             ok.append(url)
-        except ImportError:
-            skipped[url] = f"not installed (pip install 'dataplane[{'mooncake' if scheme == 'mooncake' else 'tq'}]')"
     return ok, skipped
 
 

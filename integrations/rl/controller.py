@@ -369,6 +369,19 @@ class AsyncGRPO:
         return (self._steps + self.config.max_staleness + 1) * self.config.groups_per_step - self._live
 
     def _pump(self, name: str) -> None:
+        """One actor's pump; if it fails outside a rollout call (a clear of the store, say), the
+        actor counts as lost, so a step waiting for its groups fails or goes on with the others."""
+        try:
+            self._pump_loop(name)
+        except Exception:
+            log.exception("rl: the rollout pump of %s failed; the actor is dropped", name)
+            with self._cond:
+                if name in self._alive:
+                    self._alive.discard(name)
+                    self.lost_actors.append(name)
+                self._cond.notify_all()
+
+    def _pump_loop(self, name: str) -> None:
         actor = self._actors[name]
         loaded, failures = -1, 0
         while True:
