@@ -34,20 +34,15 @@ shard and gather the sequence itself.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from tensordict import TensorDict, TensorDictBase
 from torch import Tensor, nn
 
-from dataplane import InvalidArgument, KVBatchMeta
-from dataplane.worker import DataPlaneWorkerMixin, DeviceMeshReplicaMixin, ErrorInfo, error_from_info, microbatch_plan
-from dataplane.worker.collective import comm_device
-from integrations.rl.conventions import INPUT_IDS, LOSS_MASK, PREV_LOGPROBS, VALUES, shift_to_tokens, token_logprobs
-from integrations.rl.split_step import SplitTrainStepMixin
+from dataplane import InvalidArgument
+from dataplane.worker import DeviceMeshReplicaMixin
+from integrations.rl.workers.base import RLWorkerMixin
 
 __all__ = ["DTensorRLWorkerMixin", "full_parameters", "use_sum_reduction"]
 
@@ -94,39 +89,15 @@ def _plain(t: Tensor) -> Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-@contextlib.contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        model.train(was_training)
-
-
-class DTensorRLWorkerMixin(SplitTrainStepMixin, DeviceMeshReplicaMixin, DataPlaneWorkerMixin):
+class DTensorRLWorkerMixin(DeviceMeshReplicaMixin, RLWorkerMixin):
     """RL worker glue for FSDP2 / DTensor models; see the module docstring.
 
     The host sets ``device_mesh`` (named dims with ``"dp"``; optional ``"tp"``, ``"cp"``),
     ``model``, ``optimizer``, optionally ``lr_scheduler`` and ``max_grad_norm``, and calls
     :meth:`~dataplane.worker.DataPlaneWorkerMixin.setup_data_plane` on every rank.
-
-    Attributes:
-        logprob_temperature: logits are divided by it before the log-softmax (match the sampler's).
-        forward_micro_batch_size: rows per forward when a meta carries no microbatch plan (None:
-            the whole shard at once).
-        train_micro_batch_size: rows per train microbatch when a meta carries no plan.
-        value_shift: store ``V(s_t)`` at position t, the output at t-1 shifted right (the convention,
-            and what PPO needs). False keeps the output at t where it is (V after seeing token t,
-            one token late): the misalignment a PPO port paid ~10 points of reward for, kept only as
-            an ablation switch.
+    The presharded calls and their attributes (``logprob_temperature``, ``value_shift``, microbatch
+    sizes) are :class:`~integrations.rl.workers.base.RLWorkerMixin`'s.
     """
-
-    logprob_temperature: float = 1.0
-    value_shift: bool = True
-    forward_micro_batch_size: int | None = None
-    train_micro_batch_size: int | None = None
 
     # -- the host's model ------------------------------------------------------------------------
     def compute_device(self) -> torch.device:
@@ -143,15 +114,6 @@ class DTensorRLWorkerMixin(SplitTrainStepMixin, DeviceMeshReplicaMixin, DataPlan
         """``input_ids [B, T] -> [B, T]``: at position t, the value after seeing tokens ``0..t``."""
         out = _plain(self.model(input_ids))
         return out.squeeze(-1) if out.dim() == 3 else out
-
-    def token_logprobs_of(self, input_ids: Tensor) -> Tensor:
-        """Token-aligned logprobs ``[B, T]`` of ``input_ids`` (position 0 holds 0)."""
-        return token_logprobs(self.policy_logits(input_ids), input_ids, temperature=self.logprob_temperature)
-
-    def token_values_of(self, input_ids: Tensor) -> Tensor:
-        """Token-aligned values ``[B, T]``: ``V(s_t)``, predicted before token t (position 0 holds 0)."""
-        out = self.value_predictions(input_ids)
-        return shift_to_tokens(out) if self.value_shift else out
 
     # -- split-step hooks ------------------------------------------------------------------------
     def train_dp_group(self) -> Any | None:
@@ -170,178 +132,3 @@ class DTensorRLWorkerMixin(SplitTrainStepMixin, DeviceMeshReplicaMixin, DataPlan
                 "train_world_group() to return the group of every rank training this model"
             )
         return dist.group.WORLD
-
-    def loss_inputs(self, batch: Any, loss_fn: Any) -> Tensor:
-        ids = batch[INPUT_IDS]
-        return self.token_logprobs_of(ids) if loss_fn.input == "logprobs" else self.token_values_of(ids)
-
-    # -- presharded calls ------------------------------------------------------------------------
-    def train_presharded(self, meta: KVBatchMeta, loss_fn: Any) -> dict[str, float]:
-        """One whole optimizer step on this rank's shard: begin, every planned microbatch, finish.
-
-        On an exception the step is aborted (parameters and optimizer state untouched) and re-raised.
-        """
-        self.begin_train_step(loss_fn)
-        try:
-            self.train_microbatches_presharded(meta)
-            return self.finish_train_step()
-        except BaseException:
-            if self.train_step_open:
-                self.abort_train_step()
-            raise
-
-    def train_microbatches_presharded(self, meta: KVBatchMeta) -> list[dict[str, float]]:
-        """Fetch this shard and train its planned microbatches into the open step (see split_step).
-
-        Call it any number of times between ``begin_train_step`` and ``finish_train_step`` (an
-        async trainer trains each ready chunk as it comes). Returns each microbatch's metrics.
-        """
-        step = self._require_open("train_microbatches_presharded")
-        data = self.fetch_agreed(meta, self.train_fields(step.loss_fn))
-        return self.train_microbatches(data, meta)
-
-    def train_fields(self, loss_fn: Any) -> list[str]:
-        """The fields a train step with ``loss_fn`` reads: ``input_ids`` and the loss's fields."""
-        return list(dict.fromkeys((INPUT_IDS, *loss_fn.fields)))
-
-    def train_microbatches(self, data: TensorDictBase, meta: KVBatchMeta) -> list[dict[str, float]]:
-        """Train this shard's planned microbatches of ``data`` into the open step.
-
-        What :meth:`train_microbatches_presharded` runs after its fetch, for a caller that brings the
-        shard itself (a trainer without a data plane): ``data`` holds :meth:`train_fields`, one row per
-        row of ``meta``, padded to ``meta.extra_info["pad_to_length"]`` (zeros past each row's length),
-        on :meth:`compute_device`. Every rank of the model calls it.
-        """
-        self._require_open("train_microbatches")
-        planned = self.planned_microbatches(data, meta, self.train_micro_batch_size)
-        return [self.train_microbatch(mb, dummy=not positions) for positions, mb in planned]
-
-    def get_logprobs_presharded(self, meta: KVBatchMeta, out_field: str = PREV_LOGPROBS) -> KVBatchMeta | None:
-        """Write this shard's token-aligned logprobs to ``out_field`` (from the replica leader only).
-
-        Returns:
-            the meta with ``out_field`` added on the writing rank, None on its siblings.
-        """
-        return self._forward_presharded(meta, out_field, self.token_logprobs_of)
-
-    def get_values_presharded(self, meta: KVBatchMeta, out_field: str = VALUES) -> KVBatchMeta | None:
-        """Write this shard's token-aligned values ``V(s_t)`` to ``out_field`` (from the leader only)."""
-        return self._forward_presharded(meta, out_field, self.token_values_of)
-
-    def fetch_agreed(self, meta: KVBatchMeta, fields: list[str]) -> TensorDictBase:
-        """:meth:`~dataplane.worker.DataPlaneWorkerMixin.fetch` (padded), then every rank of the model learns
-        whether any failed: if one did, all raise the same typed error (the first failing rank's class and
-        message) instead of the others entering a forward whose collectives the failed rank never joins.
-        """
-        error: BaseException | None = None
-        data: Any = None
-        try:
-            if meta.size:
-                data = self.fetch(meta, select_fields=fields, device=self.compute_device())
-            else:  # fewer rows than DP ranks: nothing to read, but this rank still runs its peers' forwards
-                data = _empty_batch(meta, fields, self.compute_device())
-        except Exception as e:
-            error = e
-        group = self.train_world_group()
-        if group is None or dist.get_world_size(group) == 1:
-            if error is not None:
-                raise error
-            return data  # type: ignore[no-any-return]
-        me = dist.get_rank()
-        first = torch.tensor([me if error is not None else _NO_RANK], dtype=torch.int64, device=comm_device(group))
-        dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
-        src = int(first.item())
-        if src == _NO_RANK:
-            return data  # type: ignore[no-any-return]
-        box: list[Any] = [ErrorInfo.from_exception(error, me) if error is not None else None]
-        dist.broadcast_object_list(box, src=src, group=group)
-        raise error_from_info(box[0], context="") from error
-
-    def planned_microbatches(
-        self, data: TensorDictBase, meta: KVBatchMeta, micro_batch_size: int | None
-    ) -> Iterator[tuple[list[int], TensorDictBase]]:
-        """``(row positions, microbatch)`` per the meta's plan, then dummies (no positions) up to the DP maximum.
-
-        Without a plan, consecutive chunks of ``micro_batch_size`` rows (or the whole shard). The
-        count is agreed over DP (one small all-reduce), so a rank with fewer microbatches runs
-        dummies (:meth:`dummy_microbatch`, empty positions) and every rank joins every collective of
-        every forward and backward.
-        """
-        plan = microbatch_plan(meta)
-        if plan is None:
-            rows = meta.size
-            if micro_batch_size is not None and (isinstance(micro_batch_size, bool) or micro_batch_size < 1):
-                raise InvalidArgument(f"micro_batch_size must be an int >= 1 or None, got {micro_batch_size!r}")
-            size = micro_batch_size or rows or 1
-            plan = [list(range(s, min(s + size, rows))) for s in range(0, rows, size)]
-        count = torch.tensor([len(plan)], dtype=torch.int64)
-        group = self.train_dp_group()
-        if group is not None and dist.get_world_size(group) > 1:
-            count = count.to(comm_device(group))
-            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-        plan = plan + [[] for _ in range(int(count.item()) - len(plan))]
-        for positions in plan:
-            if not positions:
-                yield positions, self.dummy_microbatch(data)
-            elif positions == list(range(positions[0], positions[0] + len(positions))):
-                yield positions, data[positions[0] : positions[0] + len(positions)]
-            else:
-                yield positions, data[torch.tensor(positions, dtype=torch.int64)]
-
-    def dummy_microbatch(self, data: TensorDictBase) -> TensorDictBase:
-        """One row of zeros shaped like ``data``'s tensor fields (``loss_mask`` 0, so it trains nothing).
-
-        What a rank runs in place of a planned microbatch it has no rows for. One row rather than
-        none: a zero-row batch trips DTensor's sharding propagation under tensor parallelism.
-        """
-        rows = {}
-        for k, v in data.items():
-            if isinstance(v, Tensor):
-                inner = list(v.shape[1:])
-                if inner:
-                    inner[0] = max(inner[0], 1)  # a rank with no rows and no stamped pad length has width 0
-                rows[k] = torch.zeros((1, *inner), dtype=v.dtype, device=v.device)
-        return TensorDict(rows, batch_size=[1], device=data.device)
-
-    def forward_logprobs(self, data: TensorDictBase, meta: KVBatchMeta) -> Tensor:
-        """Token-aligned logprobs ``[rows, width]`` (float32, CPU) of ``data[INPUT_IDS]``, forwarded in
-        ``meta``'s planned microbatches (dummies up to the DP maximum). Every rank of the model calls it.
-
-        What :meth:`get_logprobs_presharded` computes between its fetch and its write-back, for a
-        caller that brings the shard itself. Positions past a row's length hold whatever the model
-        gives there: mask them before use.
-        """
-        return self._forward_planned(data, meta, self.token_logprobs_of)
-
-    def forward_values(self, data: TensorDictBase, meta: KVBatchMeta) -> Tensor:
-        """Token-aligned values ``[rows, width]`` of ``data[INPUT_IDS]``; see :meth:`forward_logprobs`."""
-        return self._forward_planned(data, meta, self.token_values_of)
-
-    def _forward_planned(self, data: TensorDictBase, meta: KVBatchMeta, forward: Any) -> Tensor:
-        width = int(data[INPUT_IDS].shape[1]) if meta.size else 0
-        result = torch.zeros(meta.size, width, dtype=torch.float32)
-        with _eval_mode(self.model):
-            for positions, mb in self.planned_microbatches(data, meta, self.forward_micro_batch_size):
-                out = forward(mb[INPUT_IDS])
-                if positions:
-                    result[torch.tensor(positions, dtype=torch.int64)] = out.detach().float().cpu()
-        return result
-
-    def _forward_presharded(self, meta: KVBatchMeta, out_field: str, forward: Any) -> KVBatchMeta | None:
-        data = self.fetch_agreed(meta, [INPUT_IDS])
-        result = self._forward_planned(data, meta, forward)
-        if meta.size == 0:
-            return meta if self.is_writeback_leader() else None
-        return self.write_back(meta, {out_field: result}, token_fields=[out_field])
-
-
-_NO_RANK = 2**62
-_INTEGER_FIELDS = (INPUT_IDS, LOSS_MASK)
-
-
-def _empty_batch(meta: KVBatchMeta, fields: list[str], device: torch.device) -> TensorDict:
-    """A zero-row batch of ``fields`` for an empty shard: ids and masks int64, the rest float32,
-    ``meta.extra_info["pad_to_length"]`` wide (the width its peers forward)."""
-    width = int(meta.extra_info.get("pad_to_length") or 1)
-    rows = {f: torch.zeros(0, width, dtype=torch.int64 if f in _INTEGER_FIELDS else torch.float32) for f in fields}
-    return TensorDict(rows, batch_size=[0], device=device)
