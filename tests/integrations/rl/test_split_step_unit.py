@@ -140,6 +140,7 @@ def test_doctests(name: str) -> None:
 WITHOUT_EXAMPLES = {
     "integrations.rl.workers",
     "integrations.rl.workers.dtensor",
+    "integrations.rl.workers.megatron",
     "integrations.rl.workers.tiny",
     "integrations.rl.examples",
     "integrations.rl.examples.common",

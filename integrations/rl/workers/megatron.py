@@ -1,0 +1,564 @@
+"""A worker mixin that trains a Megatron-Core model from the data plane (CUDA, megatron-core >= 0.19).
+
+Mix :class:`MegatronRLWorkerMixin` into your Megatron training worker (one process per GPU)::
+
+    class PolicyWorker(MegatronRLWorkerMixin):
+        def __init__(self):
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+            self.model = DistributedDataParallel(config=cfg, ddp_config=ddp_cfg, module=gpt)  # one chunk
+            self.optimizer = get_megatron_optimizer(OptimizerConfig(...), [self.model])
+            self.setup_data_plane(url)            # every rank
+
+The calls are the FSDP2 worker's (:class:`~integrations.rl.workers.base.RLWorkerMixin`):
+``train_presharded``, ``get_logprobs_presharded``, ``get_values_presharded`` and the split step
+``begin_train_step`` / ``train_microbatch`` / ``finish_train_step`` / ``abort_train_step``.
+
+Groups come from ``megatron.core.parallel_state``: the replica group of a rank is its model-parallel
+group (the TP x PP ranks of one DP rank), its leader the rank with ``tp = pp = 0``. Logprobs and values
+are computed on the last pipeline stage and broadcast over the pipeline group to the first, so they
+reach the leader before it writes them back. Context parallelism is not supported yet (CP must be 1).
+
+The split step on Megatron. Megatron's one-shot step runs every microbatch through its schedule,
+whose hooks (``config.no_sync_func``, ``config.grad_sync_func``, ``config.finalize_model_grads_func``)
+reduce gradients once, after the last microbatch. A split step gets its microbatches one call at a
+time, so it takes those hooks over:
+
+* ``begin_train_step`` zeroes the gradient buffers and saves, then nulls, the three hooks
+  (``no_sync_func`` becomes a null context: with PP = 1 the schedule runs its last microbatch outside
+  ``no_sync_func``, and a real one would leave gradient sync enabled and dispatch it early);
+* each ``train_microbatch`` runs the schedule on one microbatch inside ``model.no_sync()``, its loss the
+  unnormalised sum (the loss function's count is kept aside, the schedule sees 1);
+* ``finish_train_step`` sums the counts over DP (from the last stage), applies the true normaliser with
+  ``model.scale_gradients``, then runs the saved ``finalize_model_grads`` once (the DP reduction,
+  pipeline embedding and layernorm reductions), and steps Megatron's optimizer (which clips per its
+  ``OptimizerConfig.clip_grad``);
+* the hooks are restored at finish, at abort, and whenever an entry point raises.
+
+A loss function that raises on the last stage does not strand the other stages in the schedule's
+point-to-point calls: its microbatch finishes with a zero loss, then every rank learns of the failure
+(the failing ones raise their error, the others :class:`~integrations.rl.split_step.PeerFailure`)
+and the step is aborted. An exception inside the model's own forward cannot be agreed on this way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDictBase
+from torch import Tensor
+
+from dataplane import InvalidArgument, KVBatchMeta
+from dataplane.worker.collective import comm_device
+from integrations.rl.conventions import INPUT_IDS, shift_to_tokens
+from integrations.rl.split_step import TrainStepError, _check_loss_fn, _neutral, _Step, aggregate_metrics
+from integrations.rl.workers.base import RLWorkerMixin, eval_mode
+
+__all__ = ["MegatronRLWorkerMixin", "TinyMegatronWorker", "megatron_token_logprobs", "tiny_megatron_gpt"]
+
+_HOOKS = ("grad_sync_func", "no_sync_func", "finalize_model_grads_func")
+
+
+def _null_no_sync() -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext()
+
+
+def megatron_token_logprobs(logits: Tensor, input_ids: Tensor, *, temperature: float = 1.0) -> Tensor:
+    """Token-aligned logprobs ``[B, T]`` (float32, position 0 holds 0) from vocab-parallel logits.
+
+    ``logits`` is Megatron's ``[B, T, V / TP]`` output (``parallel_output=True``); the log-softmax over
+    the whole vocabulary is Megatron's ``vocab_parallel_cross_entropy`` (one all-reduce over TP), so
+    no rank gathers ``[B, T, V]``. Differentiable: the train step backpropagates through it.
+    """
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    if temperature <= 0:
+        raise InvalidArgument(f"temperature must be > 0, got {temperature!r}")
+    b, t = input_ids.shape
+    out = torch.zeros(b, t, dtype=torch.float32, device=logits.device)
+    if t > 1:
+        # [B, T-1, V/TP] -> [T-1, B, V/TP] as Megatron expects; dividing makes the fresh tensor the
+        # cross entropy may modify in place.
+        scaled = (logits[:, :-1].float() / temperature).transpose(0, 1).contiguous()
+        nll = vocab_parallel_cross_entropy(scaled, input_ids[:, 1:].transpose(0, 1).contiguous())
+        out = torch.cat([out[:, :1], -nll.transpose(0, 1).float()], dim=1)
+    return out
+
+
+class MegatronRLWorkerMixin(RLWorkerMixin):
+    """RL worker glue for Megatron-Core models; see the module docstring.
+
+    The host sets ``model`` (one Megatron ``DistributedDataParallel`` chunk: virtual pipeline stages
+    are not supported), ``optimizer`` (Megatron's, from ``get_megatron_optimizer``), optionally
+    ``lr_scheduler`` (Megatron's ``OptimizerParamScheduler`` is stepped with
+    ``increment=lr_scheduler_increment``, anything else with ``step()``), and calls
+    :meth:`~dataplane.worker.DataPlaneWorkerMixin.setup_data_plane` on every rank after
+    ``parallel_state.initialize_model_parallel``.
+
+    Override :meth:`megatron_forward` for a model whose forward takes other arguments, and
+    :meth:`logprobs_from_output` / :meth:`values_from_output` for other outputs. Clipping is the
+    optimizer's (``OptimizerConfig.clip_grad``); ``max_grad_norm`` is not used.
+
+    Attributes:
+        lr_scheduler_increment: what a Megatron scheduler's ``step(increment=...)`` gets per finished
+            step (it counts samples: give it the global batch size).
+    """
+
+    model: Any  # Megatron's DistributedDataParallel
+    optimizer: Any  # a MegatronOptimizer
+    lr_scheduler_increment: int = 1
+    _saved_hooks: dict[str, Any] | None = None
+    _microbatch_error: BaseException | None = None
+
+    # -- parallel state ---------------------------------------------------------------------------
+    @staticmethod
+    def _ps() -> Any:
+        from megatron.core import parallel_state
+
+        if not parallel_state.model_parallel_is_initialized():
+            raise InvalidArgument(
+                "Megatron's model parallel state is not initialised: call "
+                "parallel_state.initialize_model_parallel(...) on every rank before the worker's calls"
+            )
+        if parallel_state.get_context_parallel_world_size() != 1:
+            raise InvalidArgument("MegatronRLWorkerMixin supports context_parallel_size=1 only")
+        return parallel_state
+
+    def compute_device(self) -> torch.device:
+        """The current CUDA device (Megatron trains on GPUs only)."""
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def replica_group(self) -> Any | None:
+        """This rank's model-parallel group (TP x PP ranks of one DP rank), None when it is one rank."""
+        ps = self._ps()
+        if ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size() == 1:
+            return None
+        return ps.get_model_parallel_group()
+
+    def is_writeback_leader(self) -> bool:
+        """True on the rank with tensor- and pipeline-parallel rank 0."""
+        ps = self._ps()
+        return bool(ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0)
+
+    def train_dp_group(self) -> Any | None:
+        ps = self._ps()
+        return ps.get_data_parallel_group() if ps.get_data_parallel_world_size() > 1 else None
+
+    def train_world_group(self) -> Any | None:
+        return dist.group.WORLD
+
+    # -- the host's model -------------------------------------------------------------------------
+    def megatron_config(self) -> Any:
+        """The model's ``TransformerConfig`` (``megatron.core.utils.get_model_config``)."""
+        from megatron.core.utils import get_model_config
+
+        return get_model_config(self.model)
+
+    def megatron_forward(self, model: Any, input_ids: Tensor) -> Tensor:
+        """One forward of ``input_ids [B, T]`` on this pipeline stage: the stage's output tensor.
+
+        The default is a GPT forward with positions ``0..T-1`` and the causal mask the attention
+        builds itself. On the last stage the output is ``[B, T, V / TP]`` logits (or ``[B, T, 1]``
+        for a value head); on the others, the hidden states the schedule sends on.
+        """
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
+        return model(input_ids, positions, None)  # type: ignore[no-any-return]
+
+    def logprobs_from_output(self, output: Tensor, input_ids: Tensor) -> Tensor:
+        """Token-aligned logprobs ``[B, T]`` from the last stage's output (see :func:`megatron_token_logprobs`)."""
+        return megatron_token_logprobs(output, input_ids, temperature=self.logprob_temperature)
+
+    def values_from_output(self, output: Tensor, input_ids: Tensor) -> Tensor:
+        """Token-aligned values ``[B, T]`` from a value head's ``[B, T, 1]`` (or ``[B, T]``) output."""
+        values = output.squeeze(-1) if output.dim() == 3 else output
+        if values.dim() != 2 or values.shape != input_ids.shape:
+            raise InvalidArgument(
+                f"a value model's last stage must output [B, T, 1] or [B, T], got {tuple(output.shape)} "
+                f"for input_ids {tuple(input_ids.shape)}; override values_from_output for other heads"
+            )
+        values = values.float()
+        return shift_to_tokens(values) if self.value_shift else values
+
+    def _loss_inputs_from_output(self, output: Tensor, input_ids: Tensor, kind: str) -> Tensor:
+        if kind == "logprobs":
+            return self.logprobs_from_output(output, input_ids)
+        return self.values_from_output(output, input_ids)
+
+    # -- the schedule -----------------------------------------------------------------------------
+    def _run_schedule(self, batch: Any, loss_func: Callable[[Tensor, Any], Any], *, forward_only: bool) -> list[Any]:
+        """Megatron's forward(-backward) schedule on one microbatch; returns the last stage's
+        ``loss_func`` results (empty elsewhere)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        ids = batch[INPUT_IDS]
+
+        def forward_step(data_iterator: Iterator[Any], model: Any) -> tuple[Tensor, Callable[[Tensor], Any]]:
+            mb = next(data_iterator)
+            output = self.megatron_forward(model, mb[INPUT_IDS])
+            return output, lambda out: loss_func(out, mb)
+
+        fb = get_forward_backward_func()
+        return fb(  # type: ignore[no-any-return]
+            forward_step_func=forward_step,
+            data_iterator=iter([batch]),
+            model=[self.model],
+            num_microbatches=1,
+            seq_length=int(ids.shape[1]),
+            micro_batch_size=int(ids.shape[0]),
+            forward_only=forward_only,
+        )
+
+    # -- forward-only calls -----------------------------------------------------------------------
+    def _forward_planned(self, data: TensorDictBase, meta: KVBatchMeta, forward: Any) -> Tensor:
+        kind = "values" if forward == self.token_values_of else "logprobs"
+        ps = self._ps()
+        width = int(data[INPUT_IDS].shape[1]) if meta.size else 0
+        device = self.compute_device()
+        result = torch.zeros(meta.size, width, dtype=torch.float32, device=device)
+
+        def collect(output: Tensor, mb: Any) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+            values = self._loss_inputs_from_output(output, mb[INPUT_IDS], kind)
+            one = torch.ones((), dtype=torch.int, device=output.device)
+            return output.new_zeros(()), one, {"out": values.detach()}
+
+        with eval_mode(self.model):
+            for positions, mb in self.planned_microbatches(data, meta, self.forward_micro_batch_size):
+                outs = self._run_schedule(mb, collect, forward_only=True)
+                if positions and outs:
+                    result[torch.tensor(positions, dtype=torch.int64, device=device)] = outs[0]["out"].float()
+        if ps.get_pipeline_model_parallel_world_size() > 1 and result.numel():
+            dist.broadcast(
+                result, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+            )
+        return result.cpu()
+
+    def token_logprobs_of(self, input_ids: Tensor) -> Tensor:
+        """Token-aligned logprobs of ``input_ids`` (a whole-model call; with PP > 1 use the presharded calls)."""
+        return self._whole_model_forward(input_ids, "logprobs")
+
+    def token_values_of(self, input_ids: Tensor) -> Tensor:
+        """Token-aligned values of ``input_ids`` (a whole-model call; with PP > 1 use the presharded calls)."""
+        return self._whole_model_forward(input_ids, "values")
+
+    def _whole_model_forward(self, input_ids: Tensor, kind: str) -> Tensor:
+        if self._ps().get_pipeline_model_parallel_world_size() > 1:
+            raise InvalidArgument(
+                "with pipeline parallelism a forward spans several ranks: use get_logprobs_presharded / "
+                "forward_logprobs (every rank of the model calls them)"
+            )
+        return self._loss_inputs_from_output(self.megatron_forward(self.model, input_ids), input_ids, kind)
+
+    # -- the split step ---------------------------------------------------------------------------
+    def begin_train_step(self, loss_fn: Any) -> None:
+        """Open a step: gradient buffers zeroed, Megatron's sync hooks saved and nulled (see the module docstring)."""
+        if self._train_step is not None:
+            raise TrainStepError(
+                "a train step is already open; finish_train_step() or abort_train_step() it before beginning another"
+            )
+        _check_loss_fn(loss_fn)
+        self._ps()
+        config = self.megatron_config()
+        self._saved_hooks = {name: getattr(config, name) for name in _HOOKS}
+        try:
+            config.grad_sync_func = None
+            config.no_sync_func = _null_no_sync
+            config.finalize_model_grads_func = None
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            self.model.train()
+        except BaseException:
+            self._restore_hooks()
+            raise
+        self._train_step = _Step(loss_fn=loss_fn, count=torch.zeros((), dtype=torch.float64))
+
+    def train_microbatch(self, batch: Any, *, dummy: bool = False) -> dict[str, float]:
+        """Forward and backward one microbatch through Megatron's schedule, gradients kept local.
+
+        Every rank of the model calls it the same number of times per step (``dummy=True`` for a
+        rank's padding microbatch: zero loss, no count, neutral metrics). On any exception the step
+        is aborted (hooks restored, gradients zeroed) and the exception re-raised.
+
+        Returns:
+            this microbatch's local metrics on the last pipeline stage (``{}`` on the others).
+        """
+        step = self._require_open("train_microbatch")
+        self._microbatch_error = None
+        try:
+            with self.model.no_sync():
+                outs = self._run_schedule(batch, self._train_loss(step, dummy), forward_only=False)
+            error, self._microbatch_error = self._microbatch_error, None
+            self._agree(error)
+        except BaseException:
+            self.abort_train_step()
+            raise
+        metrics: dict[str, float] = {}
+        if outs:
+            out = outs[0]
+            metrics = dict(out["metrics"])
+            if dummy:
+                metrics = {k: _neutral(k) for k in metrics}
+            else:
+                step.count += out["count"]
+        step.microbatches += 1
+        step.metrics.append(metrics)
+        return metrics
+
+    def _train_loss(self, step: _Step, dummy: bool) -> Callable[[Tensor, Any], Any]:
+        def loss_func(output: Tensor, mb: Any) -> tuple[Tensor, Tensor, dict[str, Any]]:
+            one = torch.ones((), dtype=torch.int, device=output.device)
+            try:
+                inputs = self._loss_inputs_from_output(output, mb[INPUT_IDS], step.loss_fn.input)
+                result = step.loss_fn(inputs, mb)
+                metrics = {"loss": float(result.loss.detach()), **{k: float(v) for k, v in result.metrics.items()}}
+                count = result.count.detach().to(device="cpu", dtype=torch.float64)
+                loss = result.loss * 0.0 if dummy else result.loss
+            except Exception as e:  # finish the schedule with a zero loss; train_microbatch raises after it
+                self._microbatch_error = e
+                return output.sum() * 0.0, one, {"metrics": {}, "count": torch.zeros((), dtype=torch.float64)}
+            # The schedule divides by the count it is given unless calculate_per_token_loss: it gets 1,
+            # so the backward runs on the unnormalised sum and finish applies the true N.
+            return loss, one, {"metrics": metrics, "count": count}
+
+        return loss_func
+
+    def finish_train_step(self) -> dict[str, float]:
+        """Normalise by the global count, run Megatron's gradient finalisation once, step; close the step.
+
+        Returns:
+            the step's metrics (the same on every rank): the loss's by the naming rule, plus ``loss``,
+            ``grad_norm`` (Megatron's optimizer's, before clipping), ``lr``, ``num_microbatches`` and
+            ``num_elements`` (the global ``N``). With ``N == 0`` the optimizer does not step.
+        """
+        from megatron.core.distributed import finalize_model_grads
+
+        step = self._require_open("finish_train_step")
+        try:
+            ps = self._ps()
+            n, microbatches, metrics = self._global_counts_and_metrics(step, ps)
+            config = self.megatron_config()
+            if n > 0:
+                # Megatron's DDP multiplies gradients by 1/DP before its sum unless the model computes
+                # a per-token loss; cancel that so the result is sum / N.
+                dp = (
+                    1
+                    if config.calculate_per_token_loss
+                    else ps.get_data_parallel_world_size(with_context_parallel=True)
+                )
+                self.model.scale_gradients(dp / n)
+            if self.model.ddp_config.overlap_grad_reduce:
+                self.model.start_grad_sync()  # nothing was dispatched under no_sync: finalize waits on this
+            saved = (self._saved_hooks or {}).get("finalize_model_grads_func")
+            (saved or finalize_model_grads)([self.model], None)
+            lr = float(self.optimizer.param_groups[0]["lr"])
+            norm = 0.0
+            if n > 0:
+                _, grad_norm, _ = self.optimizer.step()
+                norm = float(grad_norm) if grad_norm is not None else 0.0
+                if self.lr_scheduler is not None:
+                    if hasattr(self.lr_scheduler, "num_steps"):  # Megatron's OptimizerParamScheduler
+                        self.lr_scheduler.step(increment=self.lr_scheduler_increment)
+                    else:
+                        self.lr_scheduler.step()
+        except BaseException:
+            self.abort_train_step()
+            raise
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._restore_hooks()
+        self._train_step = None
+        self.weight_version += 1
+        metrics.update(grad_norm=norm, lr=lr, num_microbatches=microbatches, num_elements=n)
+        return metrics
+
+    def _global_counts_and_metrics(self, step: _Step, ps: Any) -> tuple[float, float, dict[str, float]]:
+        """``N``, the DP total of microbatches and the aggregated metrics, from the last pipeline stage
+        (where the loss runs) to every stage."""
+        group = self.train_dp_group()
+        device = self.compute_device()
+        totals = torch.stack([step.count, torch.tensor(float(step.microbatches), dtype=torch.float64)]).to(device)
+        if group is not None:
+            dist.all_reduce(totals, group=group)
+        pp_group = ps.get_pipeline_model_parallel_group() if ps.get_pipeline_model_parallel_world_size() > 1 else None
+        last = ps.get_pipeline_model_parallel_last_rank()
+        if pp_group is not None:
+            dist.broadcast(totals, src=last, group=pp_group)
+        n, microbatches = (float(x) for x in totals.cpu())
+        metrics = aggregate_metrics(step.metrics, n, group=group)
+        if pp_group is not None:
+            box: list[Any] = [metrics]
+            dist.broadcast_object_list(box, src=last, group=pp_group, device=comm_device(pp_group))
+            metrics = box[0]
+        return n, microbatches, metrics
+
+    def abort_train_step(self) -> None:
+        """Drop the open step: gradient buffers zeroed, hooks restored, parameters, optimizer state and
+        version untouched. Idempotent; a no-op without an open step."""
+        try:
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        finally:
+            self._restore_hooks()
+            self._train_step = None
+
+    def _restore_hooks(self) -> None:
+        saved, self._saved_hooks = self._saved_hooks, None
+        if saved is None:
+            return
+        config = self.megatron_config()
+        for name, value in saved.items():
+            setattr(config, name, value)
+
+
+# -- the tiny reference model ----------------------------------------------------------------------
+class _ValueHead(torch.nn.Module):
+    """A ``hidden -> 1`` head in place of a GPT's output layer (replicated over TP: its input is whole)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(hidden, 1)
+
+    def forward(self, hidden_states: Tensor, weight: Tensor | None = None, **_: Any) -> tuple[Tensor, None]:
+        return self.linear(hidden_states), None
+
+
+def tiny_megatron_gpt(
+    config: Any = None,
+    *,
+    seed: int = 0,
+    calculate_per_token_loss: bool = True,
+    overlap_grad_reduce: bool = False,
+    optimizer: str = "sgd",
+    lr: float = 1e-2,
+    clip_grad: float = 1.0e9,
+) -> tuple[Any, Any]:
+    """A tiny Megatron GPT (local layer spec, no Transformer Engine, fp32) wrapped in Megatron's DDP,
+    and its Megatron optimizer, for tests and examples. Call it on every rank after
+    ``parallel_state.initialize_model_parallel``.
+
+    Weights are initialised on the CPU from ``seed`` (``use_cpu_initialization``), so the whole model
+    is the same for every TP / PP layout: a TP = 2 model and a single-GPU one compute the same function.
+
+    Args:
+        config: a :class:`~integrations.rl.workers.model.TinyConfig` (``head="value"``: a ``[B, T, 1]``
+            value head replaces the output layer).
+        calculate_per_token_loss: Megatron's flag (whether its DDP sums or averages over DP).
+        overlap_grad_reduce: Megatron DDP's flag (gradient reduction dispatched from backward hooks).
+        optimizer: ``"sgd"`` or ``"adam"``; ``lr``, ``clip_grad`` go to Megatron's ``OptimizerConfig``.
+
+    Returns:
+        ``(model, optimizer)``: the DDP-wrapped model on the current CUDA device and its optimizer.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+
+    from integrations.rl.workers.model import TinyConfig
+
+    shape = config or TinyConfig()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if shape.n_layers % pp:
+        raise InvalidArgument(f"n_layers={shape.n_layers} must divide by the pipeline-parallel size {pp}")
+    tf = TransformerConfig(
+        num_layers=shape.n_layers,
+        hidden_size=shape.dim,
+        num_attention_heads=shape.n_heads,
+        ffn_hidden_size=4 * shape.dim,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32,
+        params_dtype=torch.float32,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False,
+        calculate_per_token_loss=calculate_per_token_loss,
+    )
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    pre, post = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+    gpt = GPTModel(
+        config=tf,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=shape.vocab_size,
+        max_sequence_length=shape.max_len,
+        pre_process=pre,
+        post_process=post,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="learned_absolute",
+    )
+    if shape.head == "value" and post:
+        gpt.output_layer = _ValueHead(shape.dim)
+    gpt = gpt.cuda(torch.cuda.current_device())
+    ddp = DistributedDataParallel(
+        config=tf,
+        ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce, use_distributed_optimizer=False
+        ),
+        module=gpt,
+    )
+    opt = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer=optimizer,
+            lr=lr,
+            weight_decay=0.0,
+            clip_grad=clip_grad,
+            bf16=False,
+            fp16=False,
+            params_dtype=torch.float32,
+        ),
+        [ddp],
+    )
+    # What Megatron's training loop installs: the schedule's hooks (the split step takes them over).
+    tf.no_sync_func = ddp.no_sync
+    tf.grad_sync_func = ddp.start_grad_sync if overlap_grad_reduce else None
+    tf.finalize_model_grads_func = _finalize
+    return ddp, opt
+
+
+def _finalize(model: list[Any], num_tokens: Tensor | None, **kwargs: Any) -> None:
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads(model, num_tokens, **kwargs)
+
+
+class TinyMegatronWorker(MegatronRLWorkerMixin):
+    """A :func:`tiny_megatron_gpt` on every rank, with Megatron's parallel state set up if it is not yet.
+
+    Build it on every rank of an initialised NCCL process group (one GPU per rank, the current device
+    set); every rank passes the same arguments.
+
+    Args:
+        config: the model's shape (``head="value"`` for a critic).
+        tp, pp: tensor- and pipeline-parallel sizes (DP = world / (tp * pp)).
+        options: :func:`tiny_megatron_gpt`'s keyword arguments (``seed``, ``lr``, ``optimizer``, ...).
+    """
+
+    def __init__(self, config: Any = None, *, tp: int = 1, pp: int = 1, **options: Any) -> None:
+        from megatron.core import parallel_state
+
+        if not dist.is_initialized():
+            raise InvalidArgument("initialise torch.distributed (init_process_group) on every rank before the worker")
+        if parallel_state.model_parallel_is_initialized():
+            have = (
+                parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size(),
+            )
+            if have != (tp, pp):
+                raise InvalidArgument(
+                    f"Megatron's parallel state is already tp={have[0]}, pp={have[1]}, not tp={tp}, pp={pp}; "
+                    "call parallel_state.destroy_model_parallel() first to change it"
+                )
+        else:
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        self.model, self.optimizer = tiny_megatron_gpt(config, **options)
