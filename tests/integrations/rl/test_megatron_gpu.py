@@ -121,6 +121,7 @@ def _parity(rank: int, world: int, tp: int, pp: int, overlap: bool, per_token: b
     cfg = split.megatron_config()
     before_hooks = {h: getattr(cfg, h) for h in HOOKS}
     loss_fn = ClippedPolicyLoss()
+    start = _local_params(split)
     out: dict[str, Any] = {"steps": []}
     for step in range(2):  # the second step is where a leaked no_sync_func / undispatched sync asserts
         # DP rank 1 has one microbatch fewer: the split step pads it with a dummy, Megatron's schedule
@@ -149,6 +150,7 @@ def _parity(rank: int, world: int, tp: int, pp: int, overlap: bool, per_token: b
                 "grad_norm": metrics["grad_norm"],
                 "grad_norm_ref": ref_norm,
                 "params_max_rel": _max_rel(_local_params(split), _local_params(ref)),
+                "moved_from_start": _max_rel(_local_params(split), start),
                 "version": split.weight_version,
             }
         )
@@ -172,7 +174,7 @@ def test_megatron_split_step_equals_megatrons_one_shot_step(layout: str) -> None
                 assert s["n"] == s["n_expected"] and s["n"] > 0, where
                 assert s["loss"] == pytest.approx(s["loss_ref"], rel=1e-5, abs=1e-6), where
             assert s["grad_norm"] == pytest.approx(s["grad_norm_ref"], rel=1e-5), where
-            assert s["params_max_rel"] < 1e-5, where
+            assert s["params_max_rel"] < 1e-5 and s["moved_from_start"] > 1e-4, where
     # the step's metrics are the same on every rank (broadcast from the last pipeline stage)
     assert len({tuple(round(s["loss"], 9) for s in r["steps"]) for r in results}) == 1
 
