@@ -263,7 +263,7 @@ def test_megatron_failure_and_abort_restore_every_hook(layout: str) -> None:
 
 
 # -- through the data plane ------------------------------------------------------------------------
-def _presharded(rank: int, world: int, url: str, shard: Any, rows: dict[str, Any]) -> dict[str, Any]:
+def _presharded(rank: int, world: int, url: str, shard: Any, rows: dict[str, Any], tp: int, pp: int) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
 
     import dataplane
@@ -284,8 +284,8 @@ def _presharded(rank: int, world: int, url: str, shard: Any, rows: dict[str, Any
     events: list[CallEvent] = []
     client = ObservedClient(dataplane.connect(url), events.append)
     try:
-        policy = TinyMegatronWorker(_shape(), tp=world, seed=0)
-        critic = TinyMegatronWorker(_shape("value"), tp=world, seed=1)
+        policy = TinyMegatronWorker(_shape(), tp=tp, pp=pp, seed=0)
+        critic = TinyMegatronWorker(_shape("value"), tp=tp, pp=pp, seed=1)
         for w in (policy, critic):
             w.setup_data_plane(client)
         out["leader"] = policy.is_writeback_leader()
@@ -301,8 +301,10 @@ def _presharded(rank: int, world: int, url: str, shard: Any, rows: dict[str, Any
 
 
 @pytest.mark.mooncake
-def test_megatron_presharded_forwards_write_each_key_once_from_the_leader() -> None:
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_megatron_presharded_forwards_write_each_key_once_from_the_leader(layout: str) -> None:
     pytest.importorskip("mooncake.store", reason="needs Mooncake (pip install 'dataplane[mooncake-cuda]')")
+    _, tp, pp, _, _ = LAYOUTS[layout]
     import dataplane
     from dataplane.columns import first_write, read_columns
     from dataplane.preshard import shard_meta_for_dp
@@ -328,7 +330,16 @@ def test_megatron_presharded_forwards_write_each_key_once_from_the_leader() -> N
         (shard,) = shard_meta_for_dp(meta, 1, max_tokens_per_microbatch=96)
         assert len(shard.extra_info["microbatches"]) > 1, "the test wants several microbatches"
         results = run_ranks(
-            _presharded, 2, owner.url, shard, {"input_ids": ids}, backend="nccl", timeout_s=420, pg_timeout_s=120
+            _presharded,
+            2,
+            owner.url,
+            shard,
+            {"input_ids": ids},
+            tp,
+            pp,
+            backend="nccl",
+            timeout_s=420,
+            pg_timeout_s=120,
         )
         got = read_columns(owner, meta, ["prev_logprobs", "values"], layout="jagged")
     leader, sibling = results
