@@ -339,7 +339,10 @@ class AsyncGRPO:
             self.buffer.remove(chosen)  # trained, dropped or failed: their rows go
         record = AsyncStepRecord(**{f: getattr(base, f) for f in StepRecord.__dataclass_fields__})
         record.train_seconds = time.perf_counter() - t_learn
-        record.traffic = add_totals(add_totals(self.meter.totals(), *self.policy.traffic()), before, sign=-1)
+        record.set_traffic(
+            add_totals(add_totals(self.meter.totals(), *self.policy.traffic()), before, sign=-1),
+            len(self.policy.actors),
+        )
         dropped = set(record.dropped_groups)
         record.group_ids = [s.id for s in chosen]
         record.trained_uids = [s.uid for s in chosen if s.uid not in dropped]

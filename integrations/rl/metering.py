@@ -24,7 +24,11 @@ import threading
 from dataplane import DataPlaneClient
 from dataplane.observability import CallEvent, ObservedClient
 
-__all__ = ["TrafficMeter", "add_totals"]
+__all__ = ["TRAINER_TIMES", "TrafficMeter", "add_totals"]
+
+#: What a trainer rank's ``traffic()`` adds to its data-plane totals: seconds of its step calls spent
+#: moving data (reads, write-backs, shipped rows to the device) and the rest of them (compute).
+TRAINER_TIMES = ("trainer_data_seconds", "trainer_compute_seconds")
 
 
 class TrafficMeter:
@@ -67,8 +71,14 @@ class TrafficMeter:
 
 def add_totals(*totals: dict[str, float], sign: int = 1) -> dict[str, float]:
     """Key-wise sum of :meth:`TrafficMeter.totals` (of several processes); ``sign=-1`` subtracts all
-    but the first (the traffic between two readings)."""
+    but the first (the traffic between two readings). Also sums the trainer ranks' step-call times
+    (``trainer_data_seconds``, ``trainer_compute_seconds``: 0 where a process has none).
+
+    >>> add_totals({"seconds": 1.0, "trainer_data_seconds": 0.5}, {"seconds": 0.25})["trainer_data_seconds"]
+    0.5
+    """
     out: dict[str, float] = {"bytes_put": 0, "bytes_get": 0, "seconds": 0.0, "calls": 0}
+    out.update({k: 0.0 for k in TRAINER_TIMES})
     for i, t in enumerate(totals):
         for k in out:
             out[k] += t.get(k, 0) * (1 if i == 0 else sign)

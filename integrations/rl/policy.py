@@ -219,6 +219,7 @@ class Policy:
         num_cpus: float = 0.5,
         num_gpus: float = 0,
         threads: int = 1,
+        deterministic: bool = False,
         backend: str = "gloo",
         runtime_env: Mapping[str, Any] | None = None,
         timeout_s: float = 300.0,
@@ -232,6 +233,8 @@ class Policy:
             num_cpus, num_gpus, runtime_env: each actor's Ray resources and environment (on GPUs:
                 ``num_gpus=1``, ``backend="nccl"``, factories building on ``"cuda"``).
             threads: torch threads per actor.
+            deterministic: deterministic kernels on every rank (see
+                :class:`~integrations.rl.trainer_actor.TrainerActor`; for bit-identical runs on GPUs).
             pg_timeout_s: the process group's own timeout (a collective waits at most this long).
             options: more :class:`Policy` arguments (``max_tokens_per_microbatch``, ``equal_rows``).
         """
@@ -242,7 +245,10 @@ class Policy:
         opts: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
         if runtime_env is not None:
             opts["runtime_env"] = dict(runtime_env)
-        actors = [remote_cls.options(**opts).remote(r, world, threads=threads) for r in range(world)]
+        actors = [
+            remote_cls.options(**opts).remote(r, world, threads=threads, deterministic=deterministic)
+            for r in range(world)
+        ]
         policy = cls(actors, dp=dp, tp=tp, timeout_s=timeout_s, **options)
         first = actors[0]
         try:
@@ -463,8 +469,12 @@ class Policy:
         return self._all("param_digest", lambda r, a: a.param_digest.remote(model))[0]  # type: ignore[no-any-return]
 
     def traffic(self) -> list[dict[str, float]]:
-        """Each rank's data-plane totals."""
+        """Each rank's data-plane totals and step-call times (:meth:`~integrations.rl.trainer_actor.TrainerActor.traffic`)."""
         return self._all("traffic", lambda r, a: a.traffic.remote())
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Each rank's backend and devices (:meth:`~integrations.rl.trainer_actor.TrainerActor.describe`)."""
+        return self._all("describe", lambda r, a: a.describe.remote())
 
     # -- teardown ------------------------------------------------------------------------------------
     @property

@@ -52,6 +52,10 @@ class StepRecord:
         seconds, rollout_seconds, train_seconds: wall time of the step, of the rollout call, of training.
         traffic: the step's data-plane totals over every process (driver, rollout, trainers).
         driver_traffic: the driver's own share.
+        trainer_data_seconds, trainer_compute_seconds: the step's trainer calls, per rank (the mean
+            over the ranks): seconds moving data (data-plane reads and write-backs; without a data
+            plane, the rows shipped with the calls copied to the compute device) and the rest
+            (forward, backward, optimizer, the step's collectives). Weight syncs count in neither.
     """
 
     step: int
@@ -69,6 +73,15 @@ class StepRecord:
     train_seconds: float = 0.0
     traffic: dict[str, float] = field(default_factory=dict)
     driver_traffic: dict[str, float] = field(default_factory=dict)
+    trainer_data_seconds: float = 0.0
+    trainer_compute_seconds: float = 0.0
+
+    def set_traffic(self, traffic: dict[str, float], ranks: int) -> None:
+        """Keep the step's ``traffic`` (:func:`~integrations.rl.metering.add_totals` of every process's
+        difference) and its trainer times per rank (``ranks`` trainer ranks)."""
+        self.traffic = traffic
+        self.trainer_data_seconds = traffic.get("trainer_data_seconds", 0.0) / ranks
+        self.trainer_compute_seconds = traffic.get("trainer_compute_seconds", 0.0) / ranks
 
     def summary(self) -> dict[str, Any]:
         """The step as one flat, JSON-ready dict."""
@@ -86,6 +99,8 @@ class StepRecord:
             "rollout_seconds": self.rollout_seconds,
             "train_seconds": self.train_seconds,
             "data_plane_seconds": self.traffic.get("seconds", 0.0),
+            "trainer_data_seconds": self.trainer_data_seconds,
+            "trainer_compute_seconds": self.trainer_compute_seconds,
             "bytes_put": self.traffic.get("bytes_put", 0),
             "bytes_get": self.traffic.get("bytes_get", 0),
         }
@@ -167,7 +182,7 @@ class SyncLoop:
         if record.metrics:
             self.sync_weights()
         record.rollout_seconds = t_rollout
-        record.traffic = add_totals(self.traffic(), before, sign=-1)
+        record.set_traffic(add_totals(self.traffic(), before, sign=-1), len(self.policy.actors))
         record.driver_traffic = add_totals(self.meter.totals(), driver_before, sign=-1)
         record.seconds = time.perf_counter() - t0
         return record

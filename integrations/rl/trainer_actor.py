@@ -15,21 +15,31 @@ host), and exposes, per model name (``"policy"``, ``"reference"``, ``"value"``, 
   ``abort(model)``, and ``train(shard, loss_fn, data, model)`` for all of it in one call.
   ``version(model)`` is the number of finished steps: it moves on ``finish`` only, never on ``abort``;
 * ``state_dict_ref(model)`` (a collective; rank 0 returns an object ref of the whole parameters) and
-  ``param_digest(model)``.
+  ``param_digest(model)``;
+* ``traffic()``: this process's data-plane totals, and where its step calls spent their time
+  (:class:`StepClock`): moving data (reads and write-backs through the data plane, or the rows shipped
+  with a call copied to the compute device) against the rest (forward, backward, optimizer, the
+  step's collectives); ``describe()``: the rank's device and process-group backend.
+
+On GPUs (``init_process_group(backend="nccl")``) each rank uses one CUDA device: the only one it
+sees (a Ray actor with ``num_gpus=1``: Ray sets ``CUDA_VISIBLE_DEVICES``), else ``rank % count``.
 
 Ray is imported only inside the methods that need it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import logging
 import os
 import socket
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -43,9 +53,10 @@ from integrations.rl.metering import TrafficMeter
 from integrations.rl.split_step import TrainStepError
 from integrations.rl.workers.dtensor import DTensorRLWorkerMixin, full_parameters
 
-__all__ = ["ChunkReport", "ParamDigest", "TrainerActor", "param_digest", "row_fingerprint"]
+__all__ = ["ChunkReport", "ParamDigest", "StepClock", "TrainerActor", "param_digest", "row_fingerprint"]
 
 WorkerFactory = Callable[[], DTensorRLWorkerMixin]
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,24 +104,122 @@ def param_digest(params: Mapping[str, Tensor]) -> ParamDigest:
     return ParamDigest(sha256=h.hexdigest(), norm=float(sq.sqrt()))
 
 
+class StepClock:
+    """Where one rank's step calls spend their time: moving data against everything else.
+
+    ``call()`` times a step call (the outermost one when calls nest: ``train`` runs ``begin``,
+    ``train_chunk``, ``finish``); ``data()`` times a data movement inside it (a nested one counts once;
+    one outside any call is not counted, so ``compute = calls - data`` is never negative). With
+    ``cuda`` set, every reading synchronizes the current device first, so queued kernels count where
+    they ran and not at the next synchronizing call.
+
+    >>> clock = StepClock()
+    >>> with clock.call():
+    ...     with clock.data():
+    ...         pass
+    >>> sorted(clock.totals())
+    ['trainer_compute_seconds', 'trainer_data_seconds']
+    >>> all(v >= 0 for v in clock.totals().values())
+    True
+    """
+
+    def __init__(self, *, cuda: bool = False) -> None:
+        self.cuda = cuda
+        self.call_s = 0.0
+        self.data_s = 0.0
+        self._calls = 0
+        self._data = 0
+        self._pending = 0.0  # data time of the open call: kept when it returns, dropped when it raises
+
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    @contextlib.contextmanager
+    def call(self) -> Iterator[None]:
+        """Time a step call (an exception leaves the totals as they were before it)."""
+        outer = self._calls == 0
+        if outer:
+            self._pending = 0.0
+        t0 = self._now() if outer else 0.0
+        self._calls += 1
+        try:
+            yield
+        finally:
+            self._calls -= 1
+        if outer:
+            self.call_s += self._now() - t0
+            self.data_s += self._pending
+
+    @contextlib.contextmanager
+    def data(self) -> Iterator[None]:
+        """Time a data movement inside a call."""
+        counted = self._calls > 0 and self._data == 0
+        t0 = self._now() if counted else 0.0
+        self._data += 1
+        try:
+            yield
+        finally:
+            self._data -= 1
+        if counted:
+            self._pending += self._now() - t0
+
+    def timed_data(self, fn: _F) -> _F:
+        """``fn`` with every call timed by :meth:`data`."""
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            with self.data():
+                return fn(*args, **kwargs)
+
+        return timed  # type: ignore[return-value]
+
+    def totals(self) -> dict[str, float]:
+        """``trainer_data_seconds`` (moving data) and ``trainer_compute_seconds`` (the rest of the calls)."""
+        return {"trainer_data_seconds": self.data_s, "trainer_compute_seconds": max(0.0, self.call_s - self.data_s)}
+
+
+def _step_call(method: _F) -> _F:
+    """A :class:`TrainerActor` method whose time counts in the rank's :class:`StepClock`."""
+
+    @functools.wraps(method)
+    def timed(self: TrainerActor, *args: Any, **kwargs: Any) -> Any:
+        with self.clock.call():
+            return method(self, *args, **kwargs)
+
+    return timed  # type: ignore[return-value]
+
+
 class TrainerActor:
     """One rank of a training group; see the module docstring. Methods other than :meth:`node_address`,
-    :meth:`free_port`, :meth:`traffic` and :meth:`version` are collectives: call them on every rank.
+    :meth:`free_port`, :meth:`traffic`, :meth:`describe` and :meth:`version` are collectives: call them
+    on every rank.
 
     Args:
         rank, world: this rank and the group size.
         threads: torch intra-op threads (1 suits many ranks per host; more for one rank per host).
+        deterministic: use deterministic kernels where torch has them
+            (``torch.use_deterministic_algorithms(True, warn_only=True)``, uninitialised memory left as
+            it is, and ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless set): on GPUs, where some kernels
+            accumulate in a varying order, two runs then end with the same bits. Set before any
+            CUDA work of the process.
     """
 
-    def __init__(self, rank: int, world: int, *, threads: int = 1) -> None:
+    def __init__(self, rank: int, world: int, *, threads: int = 1, deterministic: bool = False) -> None:
         if not 0 <= rank < world:
             raise InvalidArgument(f"rank {rank} must be in [0, {world})")
         self.rank, self.world = rank, world
         torch.set_num_threads(threads)
+        if deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
+            torch.use_deterministic_algorithms(True, warn_only=True)
+            torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
         # Gathering TP x FSDP parameters for a weight sync takes two all-gathers, and torch warns each time.
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         self.workers: dict[str, DTensorRLWorkerMixin] = {}
         self.meter = TrafficMeter()
+        self.clock = StepClock()
         self._client: Any = None
         self._losses: dict[str, Any] = {}  # model -> the loss of its open step
 
@@ -128,7 +237,13 @@ class TrainerActor:
             return int(s.getsockname()[1])
 
     def init_process_group(self, address: str, port: int, *, backend: str = "gloo", timeout_s: float = 300.0) -> int:
-        """Join the group (``tcp://address:port``, rank 0 serves it); returns this process id."""
+        """Join the group (``tcp://address:port``, rank 0 serves it); returns this process id.
+
+        With NCCL (``"nccl"``, or a ``"cpu:gloo,cuda:nccl"`` pair) the rank first makes its CUDA device
+        current (see the module docstring): NCCL needs one device per rank of a host.
+        """
+        if "nccl" in backend:
+            torch.cuda.set_device(self._cuda_index())
         if not dist.is_initialized():
             dist.init_process_group(
                 backend,
@@ -138,6 +253,30 @@ class TrainerActor:
                 timeout=timedelta(seconds=timeout_s),
             )
         return os.getpid()
+
+    def _cuda_index(self) -> int:
+        count = torch.cuda.device_count()
+        if count < 1:
+            raise InvalidArgument(
+                f"rank {self.rank}: backend nccl, but this process sees no CUDA device "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); give each trainer actor "
+                "num_gpus=1, or use gloo"
+            )
+        return 0 if count == 1 else self.rank % count
+
+    def describe(self) -> dict[str, Any]:
+        """This rank: its process-group backend, the policy's compute device and, on CUDA, the GPU."""
+        out: dict[str, Any] = {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "backend": str(dist.get_backend()) if dist.is_initialized() else None,
+            "device": str(self.workers["policy"].compute_device()) if "policy" in self.workers else None,
+        }
+        if out["device"] is not None and out["device"].startswith("cuda"):
+            out["cuda_visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES")
+            out["gpu"] = torch.cuda.get_device_name()
+            out["gpu_uuid"] = str(getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", ""))
+        return out
 
     def build(self, factories: Mapping[str, WorkerFactory]) -> None:
         """(Re)build the named workers (a collective): ``{"policy": factory, "reference": factory}``.
@@ -153,7 +292,20 @@ class TrainerActor:
             if not isinstance(worker, DTensorRLWorkerMixin):
                 raise InvalidArgument(f"factory {name!r} built a {type(worker).__name__}, not a DTensorRLWorkerMixin")
             self.workers[name] = worker
+        for worker in self.workers.values():
+            self._time_data_movement(worker)
+        self.clock.cuda = any(w.compute_device().type == "cuda" for w in self.workers.values())
         self._attach()
+
+    def _time_data_movement(self, worker: DTensorRLWorkerMixin) -> None:
+        """Count the worker's reads (``fetch_agreed``: the read, a replica group's broadcast, the copy to the
+        device, the agreement) and write-backs in :attr:`clock` as data time: the instance's own methods
+        are wrapped, so its inner calls (``get_logprobs_presharded`` fetches and writes back) count too."""
+        for name in ("fetch_agreed", "write_back"):
+            try:
+                setattr(worker, name, self.clock.timed_data(getattr(worker, name)))
+            except AttributeError:  # a worker with __slots__: its reads count as compute
+                pass
 
     def connect(self, url: str | None) -> None:
         """Use the data plane at ``url`` (a joinable ``client.url``), or none (``None``: inline only)."""
@@ -180,8 +332,10 @@ class TrainerActor:
             raise InvalidArgument(f"no worker {model!r} here (built: {sorted(self.workers)}); build() it") from None
 
     def _local(self, worker: DTensorRLWorkerMixin, data: TensorDictBase) -> TensorDictBase:
-        return data.to(worker.compute_device())
+        with self.clock.data():  # rows shipped with the call (or already fetched there): to the compute device
+            return data.to(worker.compute_device())
 
+    @_step_call
     def logprobs(
         self, model: str, shard: KVBatchMeta, out_field: str = PREV_LOGPROBS, data: TensorDictBase | None = None
     ) -> KVBatchMeta | Tensor | None:
@@ -197,6 +351,7 @@ class TrainerActor:
         out = worker.forward_logprobs(self._local(worker, data), shard)
         return out if worker.is_writeback_leader() else None
 
+    @_step_call
     def values(
         self, model: str, shard: KVBatchMeta, out_field: str = VALUES, data: TensorDictBase | None = None
     ) -> KVBatchMeta | Tensor | None:
@@ -208,6 +363,7 @@ class TrainerActor:
         out = worker.forward_values(self._local(worker, data), shard)
         return out if worker.is_writeback_leader() else None
 
+    @_step_call
     def sequence_gae(
         self, shard: KVBatchMeta, gamma: float, lam: float, model: str = "value"
     ) -> tuple[KVBatchMeta | None, dict[str, float]]:
@@ -227,11 +383,13 @@ class TrainerActor:
         written = worker.write_back(shard, {ADVANTAGES: adv, RETURNS: ret}, token_fields=[ADVANTAGES, RETURNS])
         return written, value_fit_sums(values, ret, mask)
 
+    @_step_call
     def begin(self, loss_fn: Any, model: str = "policy") -> None:
         """Open a train step of ``model`` with ``loss_fn``."""
         self._worker(model).begin_train_step(loss_fn)
         self._losses[model] = loss_fn
 
+    @_step_call
     def train_chunk(self, shard: KVBatchMeta, data: TensorDictBase | None = None, model: str = "policy") -> ChunkReport:
         """Train the shard's planned microbatches into the open step (read from the data plane, or ``data``)."""
         worker = self._worker(model)
@@ -254,6 +412,7 @@ class TrainerActor:
             metrics=metrics,
         )
 
+    @_step_call
     def finish(self, model: str = "policy") -> dict[str, float]:
         """Finish the open step (normalise, clip, step); its metrics, the same on every rank."""
         return self._worker(model).finish_train_step()
@@ -264,6 +423,7 @@ class TrainerActor:
         for worker in self.workers.values() if model is None else [self._worker(model)]:
             worker.abort_train_step()
 
+    @_step_call
     def train(
         self, shard: KVBatchMeta, loss_fn: Any, data: TensorDictBase | None = None, model: str = "policy"
     ) -> tuple[ChunkReport, dict[str, float]]:
@@ -294,5 +454,6 @@ class TrainerActor:
         return param_digest(full_parameters(self._worker(model).model))
 
     def traffic(self) -> dict[str, float]:
-        """This process's data-plane totals (:meth:`~integrations.rl.metering.TrafficMeter.totals`)."""
-        return self.meter.totals()
+        """This process's data-plane totals (:meth:`~integrations.rl.metering.TrafficMeter.totals`) and its
+        step calls' time so far (:meth:`StepClock.totals`)."""
+        return {**self.meter.totals(), **self.clock.totals()}

@@ -31,7 +31,7 @@ from integrations.rl.sync_loop import StepRecord, SyncLoop
 from integrations.rl.workers.model import TinyConfig
 from integrations.rl.workers.tiny import TinyDTensorWorker
 
-__all__ = ["Cluster", "Options", "main", "parse_args", "run"]
+__all__ = ["Cluster", "Options", "main", "parse_args", "run", "start_ray"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -61,6 +61,7 @@ class Options:
     in_order: bool = False
     rollout_actors: int = 1
     rollout_latency: float = 0.0
+    device: Literal["cpu", "cuda"] = "cpu"
     json: str | None = None
     progress: bool = True
 
@@ -81,6 +82,19 @@ class Options:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgument(f"{name} must be an int >= 1, got {value!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise InvalidArgument(f"--device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.device == "cuda":
+            import torch
+
+            have, need = torch.cuda.device_count(), self.dp * self.tp
+            if have < need:
+                raise InvalidArgument(
+                    f"--device cuda puts each of the dp x tp = {self.dp} x {self.tp} = {need} trainer ranks on a GPU "
+                    f"of its own, but torch sees {have} CUDA device(s) here "
+                    f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): lower --dp/--tp so that "
+                    f"dp x tp <= {have}, run on a host with {need} GPUs, or use --device cpu"
+                )
 
     def model(self) -> TinyConfig:
         return TinyConfig(vocab_size=self.vocab_size, dim=32, n_layers=2, n_heads=4, max_len=32)
@@ -90,17 +104,41 @@ class Options:
 
     def factories(self) -> dict[str, Callable[[], TinyDTensorWorker]]:
         """The trainer ranks' models: the policy, a frozen reference from the same seed when there is
-        a KL penalty, and for PPO a value model (``head="value"``)."""
-        policy = functools.partial(TinyDTensorWorker, self.model(), tp=self.tp, lr=self.lr, seed=self.seed)
+        a KL penalty, and for PPO a value model (``head="value"``); built on ``device`` (on CUDA, the
+        rank's current device)."""
+        on: dict[str, Any] = {} if self.device == "cpu" else {"device": self.device}
+        policy = functools.partial(TinyDTensorWorker, self.model(), tp=self.tp, lr=self.lr, seed=self.seed, **on)
         out: dict[str, Callable[[], TinyDTensorWorker]] = {"policy": policy}
         if self.kl_coef > 0:
             out["reference"] = policy
         if self.algorithm == "ppo":
             value = replace(self.model(), head="value")
             out["value"] = functools.partial(
-                TinyDTensorWorker, value, tp=self.tp, lr=self.value_lr, seed=self.seed + 1, value_shift=self.value_shift
+                TinyDTensorWorker,
+                value,
+                tp=self.tp,
+                lr=self.value_lr,
+                seed=self.seed + 1,
+                value_shift=self.value_shift,
+                **on,
             )
         return out
+
+    def trainer_resources(self) -> dict[str, Any]:
+        """What :meth:`Policy.spawn <integrations.rl.policy.Policy.spawn>` takes besides the defaults for
+        ``device``: on CUDA a GPU per trainer actor, NCCL, and deterministic kernels (so a run through
+        the data plane and one without end with the same bits, as on a CPU); nothing on the CPU."""
+        if self.device == "cpu":
+            return {}
+        return {"num_gpus": 1, "backend": "nccl", "deterministic": True}
+
+    def ray_resources(self) -> dict[str, Any]:
+        """``ray.init`` arguments beside ``num_cpus`` (:func:`start_ray`): on CUDA, every GPU torch sees."""
+        if self.device == "cpu":
+            return {}
+        import torch
+
+        return {"num_gpus": torch.cuda.device_count()}
 
     def grpo_config(self) -> GRPOConfig:
         return GRPOConfig(kl_coef=self.kl_coef, train_step=self.train_step)
@@ -153,12 +191,20 @@ class Cluster:
         share = min(0.5, int(100 * free / actors) / 100)
         if share < 0.01:
             raise InvalidArgument(f"Ray has {free:g} free CPUs for {actors} actors; start Ray with more num_cpus")
+        if opts.device == "cuda":
+            gpus = float(ray.available_resources().get("GPU", 0.0))  # type: ignore[no-untyped-call]
+            if gpus < opts.dp * opts.tp:
+                raise InvalidArgument(
+                    f"Ray has {gpus:g} free GPUs for {opts.dp * opts.tp} trainer ranks on --device cuda; start Ray "
+                    "with num_gpus (start_ray does), or free its GPUs"
+                )
         policy = Policy.spawn(
             opts.factories(),
             dp=opts.dp,
             tp=opts.tp,
             num_cpus=share,
             max_tokens_per_microbatch=opts.max_tokens_per_microbatch,
+            **opts.trainer_resources(),
         )
         rollouts = [
             ray.remote(RolloutActor)
@@ -189,7 +235,7 @@ class Cluster:
     def reset(self, opts: Options, url: str | None) -> None:
         """Fresh models from ``opts.seed``, the rollout's seed, and the data plane at ``url`` (or none)."""
         same: tuple[str, ...] = ("dp", "tp", "prompts_per_step", "group_size", "max_new_tokens", "vocab_size")
-        same += ("target_len", "max_tokens_per_microbatch", "rollout_actors", "rollout_latency")
+        same += ("target_len", "max_tokens_per_microbatch", "rollout_actors", "rollout_latency", "device")
         if any(getattr(opts, k) != getattr(self.opts, k) for k in same):
             raise InvalidArgument(f"a cluster runs one shape; start another for different {same}")
         self.policy.build(opts.factories())
@@ -210,6 +256,15 @@ class Cluster:
             ray.kill(actor, no_restart=True)
 
 
+def start_ray(opts: Options) -> bool:
+    """The run's local Ray (:func:`dataplane.local_ray.init_local_ray`): CPUs for every actor, and on
+    ``--device cuda`` every GPU torch sees. A no-op when this process runs Ray already (``tq://``
+    started it); returns whether this call started it."""
+    from dataplane.local_ray import init_local_ray
+
+    return init_local_ray(num_cpus=max(4, opts.dp * opts.tp + 2), log_to_driver=False, **opts.ray_resources())
+
+
 def _machine() -> dict[str, Any]:
     import torch
 
@@ -220,6 +275,11 @@ def _machine() -> dict[str, Any]:
         "torch": torch.__version__,
         "platform": platform.platform(),
     }
+
+
+def _step_times(steps: list[dict[str, Any]]) -> dict[str, float]:
+    """The run's trainer times per rank: the steps' ``trainer_data_seconds`` and ``trainer_compute_seconds`` summed."""
+    return {k: sum(s[k] for s in steps) for k in ("trainer_data_seconds", "trainer_compute_seconds")}
 
 
 def _value_digest(policy: Policy, opts: Options) -> dict[str, Any]:
@@ -249,7 +309,8 @@ def _line(s: dict[str, Any], total: int) -> str:
         )
     return (
         f"step {s['step'] + 1:>3}/{total}  reward {s['reward_mean']:.3f}  kl {num(s['kl'], '.4f')}  "
-        f"loss {num(s['loss'], '+.4f')}  {middle}  {s['seconds']:.2f} s (data plane {s['data_plane_seconds']:.3f} s)"
+        f"loss {num(s['loss'], '+.4f')}  {middle}  {s['seconds']:.2f} s (data plane {s['data_plane_seconds']:.3f} s; "
+        f"per trainer: data {s['trainer_data_seconds']:.3f} s, compute {s['trainer_compute_seconds']:.3f} s)"
     )
 
 
@@ -342,8 +403,6 @@ def run(
     """
     import ray
 
-    from dataplane.local_ray import init_local_ray
-
     out = out or sys.stdout
     t_start = time.perf_counter()
     own_client = client is None and opts.transport == "dataplane"
@@ -358,7 +417,7 @@ def run(
                 f"{opts.backend} keeps rows inside one process, but the rollout and trainer actors are processes "
                 "of their own: use --backend mooncake://local, tq://?backend=simple or tq://?backend=mooncake"
             )
-        init_local_ray(num_cpus=max(4, opts.dp * opts.tp + 2), log_to_driver=False)  # a no-op when tq:// started Ray
+        start_ray(opts)  # a no-op when tq:// started Ray
         url = None if client is None else client.url
         if cluster is None:
             cluster = Cluster.start(opts)
@@ -400,9 +459,12 @@ def run(
             "driver_bytes_get": driver["bytes_get"],
             "driver_bytes_put": driver["bytes_put"],
             "data_plane_seconds": totals["seconds"],
+            **_step_times(steps),
             "startup_seconds": t_ready - t_start,
             "total_seconds": time.perf_counter() - t_start,
             "machine": _machine(),
+            "device": opts.device,
+            "trainers": cluster.policy.describe(),
             "ray_node": ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]
             **extra,
         }
@@ -427,6 +489,13 @@ def parse_args(argv: Sequence[str] | None = None, *, defaults: Options, module: 
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dp", type=int, default=2, help="data-parallel trainer ranks (default 2)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the trainer ranks compute: cpu (gloo, default) or cuda (a GPU per rank, NCCL); "
+        "the rollout actor samples on the CPU either way",
+    )
     p.add_argument("--lr", type=float, default=defaults.lr)
     p.add_argument("--kl-coef", type=float, default=defaults.kl_coef)
     if defaults.algorithm == "ppo":
@@ -478,6 +547,7 @@ def parse_args(argv: Sequence[str] | None = None, *, defaults: Options, module: 
         seed=a.seed,
         dp=a.dp,
         tp=a.tp,
+        device=a.device,
         lr=a.lr,
         kl_coef=a.kl_coef,
         json=a.json,
@@ -502,6 +572,11 @@ def main(argv: Sequence[str] | None, *, defaults: Options, module: str, doc: str
         moved = f"the {who} read {result['driver_bytes_get']} of the {result['bytes_get']} bytes read ({share:.2%})"
     if opts.algorithm == "grpo_async":
         moved += f"; trained rows at most {result['max_trained_staleness']} versions stale"
+    ranks = f"{opts.dp * opts.tp} {'GPU' if opts.device == 'cuda' else 'CPU'} trainer ranks"
+    moved += (
+        f"; per trainer over the steps ({ranks}): data {result['trainer_data_seconds']:.2f} s, "
+        f"compute {result['trainer_compute_seconds']:.2f} s"
+    )
     print(
         f"reward {first:.3f} -> {tail:.3f} (mean of the last {len(last3)} steps) in {result['total_seconds']:.1f} s; "
         f"params sha256 {result['param_sha256'][:16]}..., norm {result['param_norm']:.6f}; {moved}"

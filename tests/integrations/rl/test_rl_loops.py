@@ -121,6 +121,13 @@ def test_dataplane_run_equals_the_inline_run_bit_for_bit(
     assert doc["bytes_get"] > 0
     assert doc["driver_bytes_get"] < 0.01 * doc["bytes_get"]
 
+    # per step, each trainer rank's calls split into moving data and computing; through the data plane
+    # the reads and write-backs take time, and the run's figures are the steps' sums
+    check_trainer_times(doc, data_plane=True)
+    check_trainer_times(inline_run, data_plane=False)
+    assert doc["device"] == "cpu" and [t["backend"] for t in doc["trainers"]] == ["gloo"] * OPTS.dp
+    assert {t["device"] for t in doc["trainers"]} == {"cpu"}
+
     trained_versions = 0
     for record in checker.records:
         # dynamic sampling dropped exactly the groups whose rewards are all equal
@@ -145,6 +152,20 @@ def test_dataplane_run_equals_the_inline_run_bit_for_bit(
         trained_versions += bool(record.metrics)
         assert record.version == trained_versions  # the version moves once per finished step
     assert len(checker.records) == OPTS.steps
+
+
+def check_trainer_times(doc: dict[str, Any], *, data_plane: bool) -> None:
+    """Every step has the trainer ranks' data and compute seconds (per rank, within the step's time);
+    data-plane runs spend some in reads and write-backs; the run's figures are the steps' sums."""
+    for s in doc["steps"]:
+        data, compute = s["trainer_data_seconds"], s["trainer_compute_seconds"]
+        assert data >= 0 and compute >= 0 and data + compute <= s["seconds"], s
+        if s["rows_trained"]:
+            assert compute > 0 and (data > 0 if data_plane else True), s
+    for key in ("trainer_data_seconds", "trainer_compute_seconds"):
+        assert doc[key] == pytest.approx(sum(s[key] for s in doc["steps"]))
+    if data_plane:
+        assert doc["trainer_data_seconds"] > 0
 
 
 def test_split_and_monolithic_steps_agree(cluster: grpo_tiny.Cluster, mooncake_owner: Any) -> None:
@@ -424,6 +445,7 @@ def test_async_without_staleness_trains_what_sync_grpo_trains(
     assert [s["loss"] for s in doc["steps"]] == [s["loss"] for s in inline_run["steps"]]
     assert all(trained_staleness(r) == [0] * r.rows_trained for r in records)
     assert doc["max_trained_staleness"] == 0 and doc["driver_bytes_get"] == 0 < doc["bytes_get"]
+    check_trainer_times(doc, data_plane=True)  # the controller's steps report them too
 
 
 def test_async_in_order_trains_groups_in_issue_order_within_capacity(
