@@ -63,6 +63,18 @@ class TrafficMeter:
             elif event.op == "kv_batch_get":
                 self._totals["bytes_get"] += event.bytes
 
+    def reset(self) -> None:
+        """Start the totals over (the wrapped clients keep counting here).
+
+        >>> meter = TrafficMeter()
+        >>> meter.record(CallEvent(op="kv_batch_get", partition_id="p", n_keys=1, n_fields=1, bytes=8, seconds=0.5, status="ok"))
+        >>> meter.reset()
+        >>> meter.totals()["bytes_get"], meter.totals()["calls"]
+        (0, 0)
+        """
+        with self._lock:
+            self._totals = {"bytes_put": 0, "bytes_get": 0, "seconds": 0.0, "calls": 0}
+
     def totals(self) -> dict[str, float]:
         """``bytes_put``, ``bytes_get`` (tensor bytes), ``seconds`` (summed over calls) and ``calls``."""
         with self._lock:

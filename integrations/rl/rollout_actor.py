@@ -149,8 +149,10 @@ class RolloutActor:
         self.connect(None)
 
     def reset(self, seed: int) -> None:
-        """Sample with ``seed`` from now on (weights stay until the next :meth:`load_weights`)."""
+        """Sample with ``seed`` from now on (weights stay until the next :meth:`load_weights`); the
+        traffic totals (:meth:`traffic`) start over."""
         self.seed = seed
+        self.meter.reset()
 
     def load_weights(self, params: Mapping[str, Tensor], version: int) -> int:
         """Load whole parameters by name (every parameter of the model, nothing else); returns ``version``."""

@@ -175,6 +175,11 @@ class StepClock:
 
         return timed  # type: ignore[return-value]
 
+    def reset(self) -> None:
+        """Start the totals over."""
+        self.call_s = 0.0
+        self.data_s = 0.0
+
     def totals(self) -> dict[str, float]:
         """``trainer_data_seconds`` (moving data) and ``trainer_compute_seconds`` (the rest of the calls)."""
         return {"trainer_data_seconds": self.data_s, "trainer_compute_seconds": max(0.0, self.call_s - self.data_s)}
@@ -282,7 +287,8 @@ class TrainerActor:
         """(Re)build the named workers (a collective): ``{"policy": factory, "reference": factory}``.
 
         Every rank passes the same factories (the same seeds), so all start from the same weights.
-        A rebuilt worker starts at version 0 with fresh optimizer state.
+        A rebuilt worker starts at version 0 with fresh optimizer state, and the rank's traffic and
+        step-call totals (:meth:`traffic`) start over: a run on a rebuilt cluster reports its own.
         """
         if "policy" not in factories:
             raise InvalidArgument(f"factories need a 'policy' worker, got {sorted(factories)}")
@@ -295,6 +301,8 @@ class TrainerActor:
         for worker in self.workers.values():
             self._time_data_movement(worker)
         self.clock.cuda = any(w.compute_device().type == "cuda" for w in self.workers.values())
+        self.clock.reset()
+        self.meter.reset()
         self._attach()
 
     def _time_data_movement(self, worker: DTensorRLWorkerMixin) -> None:

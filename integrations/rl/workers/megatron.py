@@ -439,7 +439,9 @@ def tiny_megatron_gpt(
     ``parallel_state.initialize_model_parallel``.
 
     Weights are initialised on the CPU from ``seed`` (``use_cpu_initialization``), so the whole model
-    is the same for every TP / PP layout: a TP = 2 model and a single-GPU one compute the same function.
+    is the same for every TP size: a TP = 2 model and a single-GPU one compute the same function. A
+    later pipeline stage draws its layers' weights in another order (it builds no embedding), so
+    across PP sizes load one model's weights into the other to compare them.
 
     Args:
         config: a :class:`~integrations.rl.workers.model.TinyConfig` (``head="value"``: a ``[B, T, 1]``

@@ -278,6 +278,7 @@ def _presharded(rank: int, world: int, url: str, shard: Any, rows: dict[str, Any
     with torch.no_grad():
         out["ref_logprobs"] = policy1.token_logprobs_of(ids).cpu()
         out["ref_values"] = critic1.token_values_of(ids).cpu()
+    whole = [{k: p.detach().cpu() for k, p in w.model.named_parameters()} for w in (policy1, critic1)]
     del policy1, critic1
     ps.destroy_model_parallel()
 
@@ -286,6 +287,9 @@ def _presharded(rank: int, world: int, url: str, shard: Any, rows: dict[str, Any
     try:
         policy = TinyMegatronWorker(_shape(), tp=tp, pp=pp, seed=0)
         critic = TinyMegatronWorker(_shape("value"), tp=tp, pp=pp, seed=1)
+        if pp > 1:  # a stage draws its layers' initial weights in another order: load the whole model's
+            for w, params in zip((policy, critic), whole, strict=True):
+                _load_stage(w, params)
         for w in (policy, critic):
             w.setup_data_plane(client)
         out["leader"] = policy.is_writeback_leader()
@@ -298,6 +302,20 @@ def _presharded(rank: int, world: int, url: str, shard: Any, rows: dict[str, Any
     finally:
         client.close()
     return out
+
+
+def _load_stage(worker: Any, whole: dict[str, torch.Tensor]) -> None:
+    """Copy a single-GPU model's parameters into this pipeline stage's (TP = 1): local layer i is
+    global layer ``stage * layers_per_stage + i``."""
+    import re
+
+    from megatron.core import parallel_state as ps
+
+    offset = ps.get_pipeline_model_parallel_rank() * (_shape().n_layers // ps.get_pipeline_model_parallel_world_size())
+    with torch.no_grad():
+        for name, p in worker.model.named_parameters():
+            key = re.sub(r"decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
+            p.copy_(whole[key].to(p.device))
 
 
 @pytest.mark.mooncake
