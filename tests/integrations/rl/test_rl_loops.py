@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from rl_checks import check_trainer_times
 from test_math import ref_gae  # the per-row scalar GAE loop (a sibling test module)
 
 import dataplane
@@ -152,20 +153,6 @@ def test_dataplane_run_equals_the_inline_run_bit_for_bit(
         trained_versions += bool(record.metrics)
         assert record.version == trained_versions  # the version moves once per finished step
     assert len(checker.records) == OPTS.steps
-
-
-def check_trainer_times(doc: dict[str, Any], *, data_plane: bool) -> None:
-    """Every step has the trainer ranks' data and compute seconds (per rank, within the step's time);
-    data-plane runs spend some in reads and write-backs; the run's figures are the steps' sums."""
-    for s in doc["steps"]:
-        data, compute = s["trainer_data_seconds"], s["trainer_compute_seconds"]
-        assert data >= 0 and compute >= 0 and data + compute <= s["seconds"], s
-        if s["rows_trained"]:
-            assert compute > 0 and (data > 0 if data_plane else True), s
-    for key in ("trainer_data_seconds", "trainer_compute_seconds"):
-        assert doc[key] == pytest.approx(sum(s[key] for s in doc["steps"]))
-    if data_plane:
-        assert doc["trainer_data_seconds"] > 0
 
 
 def test_split_and_monolithic_steps_agree(cluster: grpo_tiny.Cluster, mooncake_owner: Any) -> None:
