@@ -31,6 +31,7 @@ from dataplane.adapters.mooncake._read import Landing, ReadOp, Vanished
 from dataplane.codec.jagged import round_up
 from dataplane.codec.wire import Column
 from dataplane.errors import (
+    BackendUnavailable,
     DataPlaneTimeout,
     KeyNotFound,
     missing_rows_error,
@@ -73,6 +74,11 @@ class _Gate:
         a small read); never past ``deadline``."""
         if self._hold and self._issued.wait(max(0.0, deadline - time.monotonic())):
             time.sleep(_BESIDE_AFTER_S)
+
+
+# How long a listing may stay the same while an object it names is gone before the rows count as lost
+# (a clear changes the listing at once; only a dead store server leaves it as it was).
+_LOST_AFTER_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,6 +272,8 @@ class Gets(PartitionCache):
         """List (unless given the listing ``lines``), resolve (unless given what ``lines`` resolve to),
         read, and keep what was read if every put it came from is still there after the read
         (:meth:`_still_there`); else again."""
+        vanished_listing: list[str] | None = None  # the listing of the last read that found an object gone
+        vanished_since = 0.0
         for attempt in itertools.count():
             if attempt:  # the puts read were removed under the read: rows rewritten and cleared meanwhile
                 if time.monotonic() >= deadline:
@@ -276,7 +284,7 @@ class Gets(PartitionCache):
                         "rows once their writers are done with them"
                     )
                 if attempt >= 4:  # under heavy churn, let a burst of clears pass
-                    time.sleep(min(0.05, 0.001 * 2 ** (attempt - 4)))
+                    time.sleep(min(0.05, 0.001 * 2 ** min(attempt - 4, 6)))
             if lines is None:
                 lines = self._listing(deadline)
             if resolved is None:
@@ -284,6 +292,17 @@ class Gets(PartitionCache):
             try:
                 cols = self.reader.read(resolved, deadline)
             except Vanished:
+                # A clear removes a put's index with its data, so the next listing differs. The same
+                # listing, read after read, still naming an object that is gone: its store server died.
+                now = time.monotonic()
+                if lines != vanished_listing:
+                    vanished_listing, vanished_since = lines, now
+                elif now - vanished_since >= _LOST_AFTER_S:
+                    raise BackendUnavailable(
+                        f"partition {partition_id!r}: rows of these keys are listed, but objects holding them "
+                        f"have been gone for {now - vanished_since:.1f} s with no clear or rewrite meanwhile: the "
+                        "store server that held them died (Mooncake keeps no other copy). Write the rows again"
+                    ) from None
                 lines = resolved = None
                 continue
             if self._still_there(resolved, deadline):

@@ -1,0 +1,196 @@
+"""``mooncake://`` across two hosts (network namespaces), deployed with the docs' cluster recipe.
+
+Host A runs the master and a store server, host B a store server; writers and readers run on both.
+Rows written on one host read bit-exact on the other; every process listens on its own host's
+address (Mooncake's transfer engine also on the wildcard, its documented exception); after host B's
+store server dies, readers on A get the documented typed error in bounded time, never a wrong row.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import ROOT, recipe
+
+from dataplane.testing.netns import Host, Hosts, wait_for_port
+
+pytest.importorskip("mooncake.store", reason="needs Mooncake: pip install 'dataplane[mooncake]'")
+
+pytestmark = [pytest.mark.multihost, pytest.mark.mooncake, pytest.mark.multiprocess]
+
+DOC = "docs/backends/mooncake.md"
+RPC_PORT, ADMIN_PORT = 50051, 9003
+SEGMENT_BYTES = 128 << 20
+ENGINE_PORTS = range(15000, 17001)  # Mooncake's transfer engine: handshake and data ports, on the wildcard
+ROWS = 48
+FAILED_READ_S = 45.0  # a Mooncake transfer gives up after 60 s at worst; ours retries briefly
+
+
+def _env(**vars: str) -> dict[str, str]:
+    path = f"{Path(sys.executable).parent}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    return {"PATH": path, "PYTHONPATH": str(ROOT), "NO_PROXY": "*", **vars}
+
+
+def _start(hosts: Hosts, host: Host, name: str, log: Path, **vars: str) -> subprocess.Popen[Any]:
+    with log.open("ab") as out:
+        return hosts.popen(
+            host, ["bash", "-c", recipe(DOC, name)], env=_env(**vars), stdout=out, stderr=subprocess.STDOUT
+        )
+
+
+def _url(head: Host, node: Host) -> str:
+    code = recipe(DOC, "mooncake-client")
+    m = re.search(r'f"(mooncake://[^"]+)"', code)
+    assert m is not None, code
+    return m.group(1).format(HEAD_IP=head.address, NODE_IP=node.address)
+
+
+class _Client:
+    """A :mod:`host_client` process on one host: connect once, then one command at a time."""
+
+    def __init__(self, hosts: Hosts, host: Host, head: Host) -> None:
+        argv = [sys.executable, str(ROOT / "tests/multihost/host_client.py"), _url(head, host)]
+        self.proc = hosts.popen(
+            host, argv, env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+
+    def ask(self, *command: str, timeout_s: float = 90.0) -> dict[str, Any]:
+        if command:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(" ".join(command) + "\n")
+            self.proc.stdin.flush()
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        line = self.proc.stdout.readline() if ready else ""
+        assert line.startswith("{"), f"no answer to {command} in {timeout_s:g} s (rc={self.proc.poll()})"
+        return json.loads(line)  # type: ignore[no-any-return]
+
+
+def _admin(hosts: Hosts, head: Host, code: str) -> str:
+    """Run ``code`` (with ``base``, the master's admin URL, and ``u``, urllib.request) on the head host."""
+    prelude = f"import json, urllib.parse as p, urllib.request as u; base = 'http://{head.address}:{ADMIN_PORT}'\n"
+    done = hosts.run(head, [sys.executable, "-c", prelude + code], timeout_s=30, env=_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def _segments(hosts: Hosts, head: Host) -> str:
+    return _admin(hosts, head, "print(u.urlopen(base + '/get_all_segments', timeout=5).read().decode())")
+
+
+def _endpoints(hosts: Hosts, head: Host) -> dict[str, str]:
+    """Where the master placed every object of the job's namespace: key -> transport endpoint."""
+    code = """
+out = {}
+for k in u.urlopen(base + '/get_all_keys', timeout=5).read().decode().split():
+    if k.startswith('dataplane/'):
+        try:
+            r = json.loads(u.urlopen(base + '/query_key?key=' + p.quote(k), timeout=5).read())
+        except Exception:  # gone since the listing, or not readable yet
+            continue
+        out[k] = r['data'][0]['transport_endpoint_']
+print(json.dumps(out))
+"""
+    return json.loads(_admin(hosts, head, code).strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+@pytest.mark.timeout(180)
+def test_mooncake_across_two_hosts(hosts: Hosts, tmp_path: Path) -> None:
+    a, b = hosts
+    t0 = time.monotonic()
+    _start(hosts, a, "mooncake-master", tmp_path / "master.log", HEAD_IP=a.address)
+    wait_for_port(hosts, a, RPC_PORT)
+    wait_for_port(hosts, a, ADMIN_PORT)
+    seg = str(SEGMENT_BYTES)
+    _start(
+        hosts,
+        a,
+        "mooncake-store-server",
+        tmp_path / "store_a.log",
+        HEAD_IP=a.address,
+        NODE_IP=a.address,
+        SEGMENT_BYTES=seg,
+    )
+    server_b = _start(
+        hosts,
+        b,
+        "mooncake-store-server",
+        tmp_path / "store_b.log",
+        HEAD_IP=a.address,
+        NODE_IP=b.address,
+        SEGMENT_BYTES=seg,
+    )
+    deadline = time.monotonic() + 60
+    while not (a.address in (s := _segments(hosts, a)) and b.address in s):
+        assert time.monotonic() < deadline, f"store servers never registered: {s!r}"
+        time.sleep(0.5)
+    # each store server announced its own host's address (the segment names), never loopback
+    assert "127.0.0.1" not in s and "localhost" not in s, s
+    t_up = time.monotonic() - t0
+
+    # a client on each host; rows written on one host read bit-exact on the other
+    clients = [_Client(hosts, h, a) for h in (a, b)]
+    for c in clients:
+        assert c.ask()["ready"]
+    for c, h in zip(clients, (a, b), strict=True):
+        r = c.ask("write", "p", f"from{h.index}", str(ROWS))
+        assert r["ok"] and r["error"] is None, r
+    tags = ["from0", "from1"]
+    # Mooncake places each object on either host's segment: write until host B holds some (the crash
+    # below must lose something)
+    while not any(e.startswith(b.address + ":") for e in _endpoints(hosts, a).values()):
+        assert len(tags) < 12, "Mooncake never placed an object on host B's segment"
+        tags.append(f"more{len(tags)}")
+        assert clients[0].ask("write", "p", tags[-1], "4")["ok"]
+    placed = _endpoints(hosts, a)
+    assert {e.split(":")[0] for e in placed.values()} <= {a.address, b.address}, placed
+    for c, other in zip(clients, (b, a), strict=True):
+        r = c.ask("read", "p", f"from{other.index}", str(ROWS))
+        assert r["ok"] and not r["mismatched"] and r["error"] is None, r
+    t_rw = time.monotonic() - t0 - t_up
+
+    # every listener of the deployment is on its own host's address, or Mooncake's engine wildcard
+    for h in (a, b):
+        for listener in hosts.listening(h):
+            own = listener.address == h.address
+            engine = listener.wildcard and listener.port in ENGINE_PORTS
+            assert own or engine, (h, listener, hosts.listening(h))
+            assert not listener.address.startswith("127."), (h, listener)
+    assert {(a.address, RPC_PORT), (a.address, ADMIN_PORT)} <= {(x.address, x.port) for x in hosts.listening(a)}
+
+    # host B's store server crashes: a new reader on A gets the documented typed error in bounded time
+    # (BackendUnavailable while the master still lists B's segment, KeyNotFound once it expired it);
+    # no reader ever gets a wrong row (a client that read them before may still serve them from
+    # Mooncake's local hot cache: the right bytes)
+    hosts.stop(server_b, sig=signal.SIGKILL)
+    fresh = _Client(hosts, a, a)
+    assert fresh.ask()["ready"]
+    failed = []
+    for tag in tags:
+        n = str(ROWS) if tag.startswith("from") else "4"
+        for c in (clients[0], fresh):
+            r = c.ask("read", "p", tag, n, timeout_s=FAILED_READ_S + 30)
+            assert not r["mismatched"], json.dumps(r)
+            assert r["error"] is None or r["error"][0] in ("BackendUnavailable", "KeyNotFound"), json.dumps(r)
+            assert r["seconds"] < FAILED_READ_S, r
+            if c is fresh and r["error"] is not None:
+                failed.append((tag, r["error"][0], round(r["seconds"], 2)))
+    assert failed, f"objects lived on host B ({placed}), yet every read after its crash succeeded"
+    print(f"up {t_up:.1f} s, writes+reads {t_rw:.1f} s, total {time.monotonic() - t0:.1f} s; after the crash {failed}")
+
+
+def test_recipes_are_the_commands_the_docs_show() -> None:
+    """The docs' recipe blocks exist and bind the host's own address, never the wildcard."""
+    master = recipe(DOC, "mooncake-master")
+    assert "--rpc_address=$HEAD_IP" in master and "--metrics_host=$HEAD_IP" in master and "0.0.0.0" not in master
+    assert "--host $NODE_IP" in recipe(DOC, "mooncake-store-server")
+    assert "{HEAD_IP}" in recipe(DOC, "mooncake-client")
