@@ -158,6 +158,33 @@ def test_mooncake_across_two_hosts(hosts: Hosts, tmp_path: Path) -> None:
         assert r["ok"] and not r["mismatched"] and r["error"] is None, r
     t_rw = time.monotonic() - t0 - t_up
 
+    # one replica group over both hosts (gloo over their link): the leader on A reads and broadcasts,
+    # the sibling on B gets the same bytes, the leader alone writes back, and B reads what it wrote
+    ranks = [
+        hosts.popen(
+            h,
+            [sys.executable, str(ROOT / "tests/multihost/host_rank.py"), str(h.index), a.address, "29511", _url(a, h)],
+            env=_env(GLOO_SOCKET_IFNAME="eth0"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for h in (a, b)
+    ]
+    results = []
+    for proc in ranks:
+        out, err = proc.communicate(timeout=120)
+        lines = [line for line in out.splitlines() if line.startswith("{")]
+        assert lines, f"rank gave no result (rc={proc.returncode}): {err[-3000:]}"
+        results.append(json.loads(lines[-1]))
+    leader, sibling = results
+    assert leader["error"] is None and sibling["error"] is None, results
+    assert leader["exact"] and sibling["exact"], results
+    assert leader["fetch"][:2] == ["leader_broadcast", "leader"] and leader["fetch"][2] > 0, results
+    assert sibling["fetch"][:2] == ["leader_broadcast", "sibling"] and sibling["fetch"][2] == 0, results
+    assert sibling["fetch"][3] > 0, "the sibling's rows came over the hosts' link"
+    assert leader["wrote"] and not sibling["wrote"] and sibling["written_back_exact"], results
+
     # every listener of the deployment is on its own host's address, or Mooncake's engine wildcard
     for h in (a, b):
         for listener in hosts.listening(h):
@@ -185,7 +212,9 @@ def test_mooncake_across_two_hosts(hosts: Hosts, tmp_path: Path) -> None:
             if c is fresh and r["error"] is not None:
                 failed.append((tag, r["error"][0], round(r["seconds"], 2)))
     assert failed, f"objects lived on host B ({placed}), yet every read after its crash succeeded"
-    print(f"up {t_up:.1f} s, writes+reads {t_rw:.1f} s, total {time.monotonic() - t0:.1f} s; after the crash {failed}")
+    print(
+        f"up {t_up:.1f} s, writes+reads {t_rw:.1f} s, ranks {leader['seconds']:.1f} s, total {time.monotonic() - t0:.1f} s; after the crash {failed}"
+    )
 
 
 def test_recipes_are_the_commands_the_docs_show() -> None:
