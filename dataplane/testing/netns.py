@@ -257,6 +257,10 @@ class Hosts:
                 self.stop(proc, grace_s=3.0)
             except Exception as e:  # keep tearing down
                 errors.append(f"pid {proc.pid}: {e}")
+        for name in self._names:  # whatever still runs in our namespaces (daemons that left our sessions)
+            for pid in self._pids_in(name):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
         for name in reversed(self._names):
             done = subprocess.run(["ip", "netns", "del", name], capture_output=True, text=True)
             if done.returncode != 0 and "No such file" not in done.stderr:
@@ -264,6 +268,15 @@ class Hosts:
         _LIVE.discard(self)
         if errors:
             raise HostsError("tearing the hosts down left something behind: " + "; ".join(errors))
+
+    @staticmethod
+    def _pids_in(name: str) -> list[int]:
+        done = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, timeout=10)
+        return [int(x) for x in done.stdout.split() if x.isdigit()]
+
+    def pids(self, host: Host) -> list[int]:
+        """Every process running in ``host``'s namespace (also those that left the sessions :meth:`popen` made)."""
+        return self._pids_in(host.name)
 
     def leftovers(self) -> list[str]:
         """What of this run still exists: its namespaces and live processes (empty after :meth:`close`)."""

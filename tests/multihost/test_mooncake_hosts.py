@@ -9,17 +9,14 @@ store server dies, readers on A get the documented typed error in bounded time, 
 from __future__ import annotations
 
 import json
-import re
-import select
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
-from conftest import ROOT, recipe
+from hostkit import ROOT, HostClient, env, recipe, start_recipe, url_of
 
 from dataplane.testing.netns import Host, Hosts, wait_for_port
 
@@ -28,6 +25,12 @@ pytest.importorskip("mooncake.store", reason="needs Mooncake: pip install 'datap
 pytestmark = [pytest.mark.multihost, pytest.mark.mooncake, pytest.mark.multiprocess]
 
 DOC = "docs/backends/mooncake.md"
+
+
+def _url(head: Host, node: Host) -> str:
+    return url_of(DOC, "mooncake-client", HEAD_IP=head.address, NODE_IP=node.address)
+
+
 RPC_PORT, ADMIN_PORT = 50051, 9003
 SEGMENT_BYTES = 128 << 20
 ENGINE_PORTS = range(15000, 17001)  # Mooncake's transfer engine: handshake and data ports, on the wildcard
@@ -35,50 +38,10 @@ ROWS = 48
 FAILED_READ_S = 45.0  # a Mooncake transfer gives up after 60 s at worst; ours retries briefly
 
 
-def _env(**vars: str) -> dict[str, str]:
-    path = f"{Path(sys.executable).parent}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-    return {"PATH": path, "PYTHONPATH": str(ROOT), "NO_PROXY": "*", **vars}
-
-
-def _start(hosts: Hosts, host: Host, name: str, log: Path, **vars: str) -> subprocess.Popen[Any]:
-    with log.open("ab") as out:
-        return hosts.popen(
-            host, ["bash", "-c", recipe(DOC, name)], env=_env(**vars), stdout=out, stderr=subprocess.STDOUT
-        )
-
-
-def _url(head: Host, node: Host) -> str:
-    code = recipe(DOC, "mooncake-client")
-    m = re.search(r'f"(mooncake://[^"]+)"', code)
-    assert m is not None, code
-    return m.group(1).format(HEAD_IP=head.address, NODE_IP=node.address)
-
-
-class _Client:
-    """A :mod:`host_client` process on one host: connect once, then one command at a time."""
-
-    def __init__(self, hosts: Hosts, host: Host, head: Host) -> None:
-        argv = [sys.executable, str(ROOT / "tests/multihost/host_client.py"), _url(head, host)]
-        self.proc = hosts.popen(
-            host, argv, env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-        )
-
-    def ask(self, *command: str, timeout_s: float = 90.0) -> dict[str, Any]:
-        if command:
-            assert self.proc.stdin is not None
-            self.proc.stdin.write(" ".join(command) + "\n")
-            self.proc.stdin.flush()
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
-        line = self.proc.stdout.readline() if ready else ""
-        assert line.startswith("{"), f"no answer to {command} in {timeout_s:g} s (rc={self.proc.poll()})"
-        return json.loads(line)  # type: ignore[no-any-return]
-
-
 def _admin(hosts: Hosts, head: Host, code: str) -> str:
     """Run ``code`` (with ``base``, the master's admin URL, and ``u``, urllib.request) on the head host."""
     prelude = f"import json, urllib.parse as p, urllib.request as u; base = 'http://{head.address}:{ADMIN_PORT}'\n"
-    done = hosts.run(head, [sys.executable, "-c", prelude + code], timeout_s=30, env=_env())
+    done = hosts.run(head, [sys.executable, "-c", prelude + code], timeout_s=30, env=env())
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 
@@ -107,22 +70,24 @@ print(json.dumps(out))
 def test_mooncake_across_two_hosts(hosts: Hosts, tmp_path: Path) -> None:
     a, b = hosts
     t0 = time.monotonic()
-    _start(hosts, a, "mooncake-master", tmp_path / "master.log", HEAD_IP=a.address)
+    start_recipe(hosts, a, DOC, "mooncake-master", tmp_path / "master.log", HEAD_IP=a.address)
     wait_for_port(hosts, a, RPC_PORT)
     wait_for_port(hosts, a, ADMIN_PORT)
     seg = str(SEGMENT_BYTES)
-    _start(
+    start_recipe(
         hosts,
         a,
+        DOC,
         "mooncake-store-server",
         tmp_path / "store_a.log",
         HEAD_IP=a.address,
         NODE_IP=a.address,
         SEGMENT_BYTES=seg,
     )
-    server_b = _start(
+    server_b = start_recipe(
         hosts,
         b,
+        DOC,
         "mooncake-store-server",
         tmp_path / "store_b.log",
         HEAD_IP=a.address,
@@ -138,7 +103,7 @@ def test_mooncake_across_two_hosts(hosts: Hosts, tmp_path: Path) -> None:
     t_up = time.monotonic() - t0
 
     # a client on each host; rows written on one host read bit-exact on the other
-    clients = [_Client(hosts, h, a) for h in (a, b)]
+    clients = [HostClient(hosts, h, _url(a, h)) for h in (a, b)]
     for c in clients:
         assert c.ask()["ready"]
     for c, h in zip(clients, (a, b), strict=True):
@@ -164,7 +129,7 @@ def test_mooncake_across_two_hosts(hosts: Hosts, tmp_path: Path) -> None:
         hosts.popen(
             h,
             [sys.executable, str(ROOT / "tests/multihost/host_rank.py"), str(h.index), a.address, "29511", _url(a, h)],
-            env=_env(GLOO_SOCKET_IFNAME="eth0"),
+            env=env(GLOO_SOCKET_IFNAME="eth0"),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -199,7 +164,7 @@ def test_mooncake_across_two_hosts(hosts: Hosts, tmp_path: Path) -> None:
     # no reader ever gets a wrong row (a client that read them before may still serve them from
     # Mooncake's local hot cache: the right bytes)
     hosts.stop(server_b, sig=signal.SIGKILL)
-    fresh = _Client(hosts, a, a)
+    fresh = HostClient(hosts, a, _url(a, a))
     assert fresh.ask()["ready"]
     failed = []
     for tag in tags:
