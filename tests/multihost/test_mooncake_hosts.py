@@ -163,9 +163,11 @@ def test_mooncake_across_two_hosts(hosts: Hosts, tmp_path: Path) -> None:
     # (BackendUnavailable while the master still lists B's segment, KeyNotFound once it expired it);
     # no reader ever gets a wrong row (a client that read them before may still serve them from
     # Mooncake's local hot cache: the right bytes)
-    hosts.stop(server_b, sig=signal.SIGKILL)
+    # (the new reader connects before the crash: a client that connects after it may first wait up
+    # to Mooncake's 60 s transfer timeout if the deployment token lived on B's segment)
     fresh = HostClient(hosts, a, _url(a, a))
     assert fresh.ask()["ready"]
+    hosts.stop(server_b, sig=signal.SIGKILL)  # a crash: nothing unmounts its segment
     failed = []
     for tag in tags:
         n = str(ROWS) if tag.startswith("from") else "4"
