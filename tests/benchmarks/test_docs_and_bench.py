@@ -177,6 +177,7 @@ def test_put_get_reader_processes_get_the_batch(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.mooncake
 @pytest.mark.multiprocess
+@pytest.mark.soak  # 18 s of CI for a benchmark's smoke run; the soak run keeps it
 @pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake is not installed")
 def test_mooncake_xproc_contenders_are_bit_exact(tmp_path: Path) -> None:
     """Every contender of the between-process benchmark reads the writer's batch back bit-exact (raw_njt:

@@ -159,6 +159,8 @@ class TestTQSimpleMultiprocess(_Multiprocess):
     url = "tq://?backend=simple&timeout_s=60"
 
 
+# soak only: 30 s of CI for what TestTQSimpleMultiprocess and the tq-mooncake conformance suite cover
 @pytest.mark.mooncake
+@pytest.mark.soak
 class TestTQMooncakeMultiprocess(_Multiprocess):
     url = f"tq://?backend=mooncake&timeout_s=60&segment_bytes={256 << 20}"
