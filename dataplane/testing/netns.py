@@ -30,6 +30,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dataplane._host.processes import pid_alive
 from dataplane.errors import DataPlaneError, InvalidArgument
 
 __all__ = ["Host", "Hosts", "HostsError", "Listener", "sweep_stale", "unavailable", "wait_for_port"]
@@ -85,16 +86,6 @@ def _ip(*args: str) -> None:
         raise HostsError(f"`ip {' '.join(args)}` failed: {done.stderr.strip()}")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_stale() -> list[str]:
     """Delete namespaces this module made in processes that are gone (a run killed before its teardown)."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
@@ -104,7 +95,7 @@ def sweep_stale() -> list[str]:
         if not name.startswith(_PREFIX) or "x" not in name:
             continue
         pid = name[len(_PREFIX) : name.index("x")]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
             removed.append(name)
     return removed
