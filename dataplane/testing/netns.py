@@ -33,7 +33,16 @@ from typing import Any
 from dataplane._host.processes import pid_alive
 from dataplane.errors import DataPlaneError, InvalidArgument
 
-__all__ = ["Host", "Hosts", "HostsError", "Listener", "sweep_stale", "unavailable", "wait_for_port"]
+__all__ = [
+    "Host",
+    "Hosts",
+    "HostsError",
+    "Listener",
+    "parse_tcp_listeners",
+    "sweep_stale",
+    "unavailable",
+    "wait_for_port",
+]
 
 _PREFIX = "dpns"  # every namespace this module creates: dpns<pid>x<run><role>
 _LIVE: weakref.WeakSet[Hosts] = weakref.WeakSet()
@@ -73,10 +82,10 @@ def unavailable() -> str | None:
     if shutil.which("ip") is None:
         return "needs `ip` from iproute2 (apt-get install iproute2)"
     probe = f"{_PREFIX}{os.getpid()}probe"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=30)
     if made.returncode != 0:
         return f"`ip netns add` failed here: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
     return None
 
 
@@ -88,7 +97,7 @@ def _ip(*args: str) -> None:
 
 def sweep_stale() -> list[str]:
     """Delete namespaces this module made in processes that are gone (a run killed before its teardown)."""
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
     removed = []
     for line in out.splitlines():
         name = line.split()[0] if line.strip() else ""
@@ -96,7 +105,7 @@ def sweep_stale() -> list[str]:
             continue
         pid = name[len(_PREFIX) : name.index("x")]
         if pid.isdigit() and not pid_alive(int(pid)):
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
             removed.append(name)
     return removed
 
@@ -228,12 +237,7 @@ class Hosts:
         out: list[Listener] = []
         for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
             done = subprocess.run(self.argv(host, ["cat", table]), capture_output=True, text=True, timeout=10)
-            for line in done.stdout.splitlines()[1:]:
-                cols = line.split()
-                if len(cols) < 4 or cols[3] != "0A":  # 0A: LISTEN
-                    continue
-                hex_addr, hex_port = cols[1].split(":")
-                out.append(Listener(_proc_address(hex_addr, v6), int(hex_port, 16)))
+            out += [listener for listener, _ in parse_tcp_listeners(done.stdout, v6=v6)]
         return out
 
     # -- teardown ----------------------------------------------------------------------------------
@@ -253,7 +257,7 @@ class Hosts:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
         for name in reversed(self._names):
-            done = subprocess.run(["ip", "netns", "del", name], capture_output=True, text=True)
+            done = subprocess.run(["ip", "netns", "del", name], capture_output=True, text=True, timeout=30)
             if done.returncode != 0 and "No such file" not in done.stderr:
                 errors.append(f"ip netns del {name}: {done.stderr.strip()}")
         _LIVE.discard(self)
@@ -271,7 +275,7 @@ class Hosts:
 
     def leftovers(self) -> list[str]:
         """What of this run still exists: its namespaces and live processes (empty after :meth:`close`)."""
-        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
         names = [line.split()[0] for line in listed.splitlines() if line.startswith(self._tag)]
         procs = [f"pid {p.pid}" for p in self._procs if p.poll() is None]
         return names + procs
@@ -281,6 +285,23 @@ class Hosts:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def parse_tcp_listeners(table: str, *, v6: bool) -> list[tuple[Listener, int]]:
+    """The listening sockets of a ``/proc/net/tcp`` (``v6``: ``tcp6``) table's text, each with its
+    socket inode (which ``/proc/PID/fd`` links name, to tell whose socket it is).
+
+    >>> parse_tcp_listeners("sl local rem st x x x x x inode\\n0: 0100007F:1F90 00000000:0000 0A 0 0 0 0 0 42", v6=False)
+    [(Listener(address='127.0.0.1', port=8080), 42)]
+    """
+    out = []
+    for line in table.splitlines()[1:]:
+        cols = line.split()
+        if len(cols) < 10 or cols[3] != "0A":  # 0A: LISTEN
+            continue
+        hex_addr, hex_port = cols[1].split(":")
+        out.append((Listener(_proc_address(hex_addr, v6), int(hex_port, 16)), int(cols[9])))
+    return out
 
 
 def _proc_address(hex_addr: str, v6: bool) -> str:

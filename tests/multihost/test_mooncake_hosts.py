@@ -73,27 +73,20 @@ def test_mooncake_across_two_hosts(hosts: Hosts, tmp_path: Path) -> None:
     start_recipe(hosts, a, DOC, "mooncake-master", tmp_path / "master.log", HEAD_IP=a.address)
     wait_for_port(hosts, a, RPC_PORT)
     wait_for_port(hosts, a, ADMIN_PORT)
-    seg = str(SEGMENT_BYTES)
-    start_recipe(
-        hosts,
-        a,
-        DOC,
-        "mooncake-store-server",
-        tmp_path / "store_a.log",
-        HEAD_IP=a.address,
-        NODE_IP=a.address,
-        SEGMENT_BYTES=seg,
-    )
-    server_b = start_recipe(
-        hosts,
-        b,
-        DOC,
-        "mooncake-store-server",
-        tmp_path / "store_b.log",
-        HEAD_IP=a.address,
-        NODE_IP=b.address,
-        SEGMENT_BYTES=seg,
-    )
+    servers = [
+        start_recipe(
+            hosts,
+            h,
+            DOC,
+            "mooncake-store-server",
+            tmp_path / f"store_{h.index}.log",
+            HEAD_IP=a.address,
+            NODE_IP=h.address,
+            SEGMENT_BYTES=str(SEGMENT_BYTES),
+        )
+        for h in (a, b)
+    ]
+    server_b = servers[1]
     deadline = time.monotonic() + 60
     while not (a.address in (s := _segments(hosts, a)) and b.address in s):
         assert time.monotonic() < deadline, f"store servers never registered: {s!r}"

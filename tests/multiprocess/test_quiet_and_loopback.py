@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -35,6 +33,7 @@ import pytest
 
 from dataplane.observability import BACKEND_LOGS_ENV, filtered_stderr
 from dataplane.testing import noisy_lines
+from dataplane.testing.netns import parse_tcp_listeners
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -93,19 +92,13 @@ def _descendants(pid: int) -> list[int]:
 def _listening_inodes() -> dict[int, tuple[str, int]]:
     """inode -> (address, port) of every listening TCP socket (IPv4 and IPv6) on the host."""
     found: dict[int, tuple[str, int]] = {}
-    for path, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+    for path, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
         try:
-            lines = Path(path).read_text().splitlines()[1:]
+            table = Path(path).read_text()
         except OSError:
             continue
-        for line in lines:
-            cols = line.split()
-            if cols[3] != "0A":  # TCP_LISTEN
-                continue
-            hex_addr, hex_port = cols[1].split(":")
-            words = [int(hex_addr[i : i + 8], 16) for i in range(0, len(hex_addr), 8)]
-            raw = b"".join(struct.pack("<I", w) for w in words)  # /proc prints host-order words
-            found[int(cols[9])] = (socket.inet_ntop(family, raw), int(hex_port, 16))
+        for listener, inode in parse_tcp_listeners(table, v6=v6):
+            found[inode] = (listener.address, listener.port)
     return found
 
 
