@@ -22,7 +22,7 @@ from dataplane.errors import (
     KeyNotFound,
     SchemaError,
 )
-from dataplane.meta import KVBatchMeta
+from dataplane.meta import KVBatchMeta, RowInfo
 from dataplane.registry import available_adapters, connect, register_adapter
 
 __version__ = "0.1.0"
@@ -38,6 +38,7 @@ __all__ = [
     "DeploymentMismatch",
     "InvalidArgument",
     "KVBatchMeta",
+    "RowInfo",
     "KeyNotFound",
     "SchemaError",
     "available_adapters",

@@ -23,7 +23,7 @@ from tensordict import TensorDict, TensorDictBase
 from dataplane.codec.jagged import PadValue
 from dataplane.codec.wire import Layout
 from dataplane.errors import InvalidArgument
-from dataplane.meta import KVBatchMeta
+from dataplane.meta import KVBatchMeta, RowInfo
 
 __all__ = ["Capabilities", "DataPlaneClient", "FieldsIn", "KeysOrMeta", "PadValues", "check_shape"]
 
@@ -101,15 +101,19 @@ class DataPlaneClient(ABC):
     def kv_batch_put(
         self,
         keys: Sequence[str],
-        fields: FieldsIn,
+        fields: FieldsIn | None,
         *,
         partition_id: str,
         tags: Sequence[Mapping[str, Any]] | None = None,
     ) -> KVBatchMeta:
         """Write one row per key. Validated completely before any byte is written.
 
-        Writing a field a key does not have adds a column; writing one it has replaces it.
-        Returns the meta of the written rows (``fields`` = the fields of this put).
+        Writing a field a key does not have adds a column; writing one it has replaces it. Tags merge
+        into the key's tags (``dict.update``). With ``fields=None`` (or no fields) and ``tags`` the put
+        writes tags only: a key that does not exist yet becomes a **tag-only row**, listed by
+        :meth:`kv_list` with its tags and holding no field until a later put adds one (status markers
+        of prompts in flight, say). Returns the meta of the written rows (``fields`` = the fields of
+        this put; ``()`` for a tag-only put).
         """
 
     @abstractmethod
@@ -132,7 +136,25 @@ class DataPlaneClient(ABC):
 
     @abstractmethod
     def kv_list(self, partition_id: str | None = None) -> Listing:
-        """``{partition_id: {key: tags}}`` for one partition or all."""
+        """``{partition_id: {key: tags}}`` for one partition or all. Within a partition, keys come in
+        the order they were first put (a key cleared and put again comes last)."""
+
+    def kv_describe(self, keys: Sequence[str], *, partition_id: str) -> dict[str, RowInfo]:
+        """What each of ``keys`` holds: ``{key: RowInfo(fields, tags)}`` for the keys that exist, in
+        the order asked; absent keys are left out (no error). Tag-only rows have no fields.
+
+        It answers from the partition's index, without reading any field and without listing the
+        partition: use it to learn which fields a batch of rows shares before a get, or the merged
+        tags other processes wrote.
+
+        >>> import dataplane, torch
+        >>> with dataplane.connect() as c:
+        ...     _ = c.kv_batch_put(["a"], {"x": torch.ones(1)}, partition_id="p", tags=[{"s": 1}])
+        ...     _ = c.kv_batch_put(["b"], None, partition_id="p", tags=[{"s": 2}])  # tag-only
+        ...     c.kv_describe(["a", "b", "zz"], partition_id="p")
+        {'a': RowInfo(fields=frozenset({'x'}), tags={'s': 1}), 'b': RowInfo(fields=frozenset(), tags={'s': 2})}
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement kv_describe")
 
     @abstractmethod
     def close(self) -> None:
@@ -153,7 +175,7 @@ class DataPlaneClient(ABC):
     async def async_kv_batch_put(
         self,
         keys: Sequence[str],
-        fields: FieldsIn,
+        fields: FieldsIn | None,
         *,
         partition_id: str,
         tags: Sequence[Mapping[str, Any]] | None = None,
@@ -187,6 +209,9 @@ class DataPlaneClient(ABC):
 
     async def async_kv_list(self, partition_id: str | None = None) -> Listing:
         return await asyncio.to_thread(self.kv_list, partition_id)
+
+    async def async_kv_describe(self, keys: Sequence[str], *, partition_id: str) -> dict[str, RowInfo]:
+        return await asyncio.to_thread(self.kv_describe, keys, partition_id=partition_id)
 
     async def async_close(self) -> None:
         await asyncio.to_thread(self.close)

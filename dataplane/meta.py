@@ -15,7 +15,7 @@ import msgpack
 
 from dataplane.errors import InvalidArgument, SchemaError
 
-__all__ = ["MAX_KEY_LEN", "KVBatchMeta", "check_keys", "trusted_meta"]
+__all__ = ["MAX_KEY_LEN", "KVBatchMeta", "RowInfo", "check_keys", "trusted_meta"]
 
 MAX_KEY_LEN = 512
 
@@ -56,6 +56,22 @@ def _rows(name: str, value: Iterable[Any] | None, n: int) -> tuple[Any, ...] | N
 
 
 _REPR_KEYS = 3  # keys a repr shows
+
+
+@dataclass(frozen=True, slots=True)
+class RowInfo:
+    """What one stored row holds, as :meth:`~dataplane.DataPlaneClient.kv_describe` reports it.
+
+    Attributes:
+        fields: the fields the row holds (empty for a tag-only row).
+        tags: its tags, merged over every put that wrote it (a copy: changing it changes nothing).
+
+    >>> RowInfo(frozenset({"reward"}), {"step": 3}).fields
+    frozenset({'reward'})
+    """
+
+    fields: frozenset[str]
+    tags: dict[str, Any]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, repr=False)

@@ -9,6 +9,10 @@ completeness checks of what a store returns, the closed state. The store keeps t
 the per-(partition, field) schema atomically in ``put``, with :class:`SchemaRegistry` (schemas kept
 in process) or :func:`check_compatible` (schemas kept in the backend).
 
+One more method, :meth:`KVStore.describe` (which fields and tags each key holds, for
+``kv_describe``), has a default that raises ``NotImplementedError``; every shipped adapter implements
+it, and the conformance suite checks it.
+
 Two optional hooks let a store overlap its own round trips with the client's work; their defaults
 call ``put`` and ``get``, so a plain adapter never touches them:
 
@@ -29,6 +33,7 @@ a complete one, its registration and the conformance suite it must pass::
         def get(self, partition_id, keys, fields, *, meta, timeout_s): ...
         def clear(self, partition_id, keys, *, timeout_s): ...
         def list(self, partition_id, *, timeout_s): ...
+        def describe(self, partition_id, keys, *, timeout_s): ...
         def close(self): ...
 
     def connect(url_or_config=None, **options):
@@ -47,7 +52,7 @@ import torch
 from dataplane.client import Capabilities, Listing
 from dataplane.codec.wire import Column
 from dataplane.errors import DataPlaneTimeout, missing_rows_error
-from dataplane.meta import KVBatchMeta
+from dataplane.meta import KVBatchMeta, RowInfo
 from dataplane.schema import FieldKind, FieldSchema, SchemaRegistry, check_compatible, schema_of
 
 __all__ = [
@@ -182,12 +187,15 @@ class KVStore(ABC):
           (raising ``SchemaError``, see :func:`check_compatible`), checks capacity
           (``CapacityExceeded``), and on any failure after it started writing removes what it wrote
           before raising. Tags merge into existing tags (``dict.update``). It may return a dict
-          merged into the returned meta's ``extra_info``.
+          merged into the returned meta's ``extra_info``. ``columns`` may be empty (then ``tags`` is
+          not None): a tag-only put, which merges the tags and makes absent keys rows with no field.
         * ``get`` returns one column per requested field with exactly ``len(keys)`` rows in key
           order, or raises ``KeyNotFound`` (built with :func:`missing_rows_error`). The returned
           tensors belong to the caller.
         * ``clear`` ignores unknown keys; ``keys=None`` drops the partition and its schema, and so
           does removing its last row.
+        * ``list`` gives a partition's keys in the order they were first put (a key cleared and put
+          again comes last); ``describe`` answers per key without listing the partition.
         * Every blocking call honours ``timeout_s`` (``DataPlaneTimeout``).
         * Methods may be called from several threads at once.
     """
@@ -261,6 +269,18 @@ class KVStore(ABC):
     @abstractmethod
     def list(self, partition_id: str | None, *, timeout_s: float) -> Listing:
         """``{partition_id: {key: tags}}`` for one partition (None: every partition with rows)."""
+
+    def describe(self, partition_id: str, keys: Sequence[str], *, timeout_s: float) -> list[RowInfo | None]:
+        """What each of ``keys`` holds, in order: a :class:`RowInfo` (its fields, its merged tags), or
+        None where the key is absent. Served from the partition's index: it reads no field and should
+        not cost a listing of the partition.
+
+        The default raises ``NotImplementedError``: adapters written before ``kv_describe`` existed
+        keep working for everything else.
+        """
+        raise NotImplementedError(
+            f"the {self.capabilities.backend!r} adapter does not implement KVStore.describe (kv_describe)"
+        )
 
     @abstractmethod
     def close(self) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from tensordict import TensorDict
+from tensordict import TensorDict, TensorDictBase
 
 from dataplane._host.threads import Helper, usable_cpus
 from dataplane.client import (
@@ -40,7 +40,7 @@ from dataplane.errors import (
     InvalidArgument,
     SchemaError,
 )
-from dataplane.meta import KVBatchMeta, check_keys, trusted_meta
+from dataplane.meta import KVBatchMeta, RowInfo, check_keys, trusted_meta
 from dataplane.storage import KVStore, PendingGet
 
 __all__ = ["DECODE_THREAD_ENV", "StoreClient", "decode_beside"]
@@ -117,6 +117,20 @@ def _check_select(select_fields: object) -> list[str]:
     return out
 
 
+def _no_fields(fields: object, n: int) -> bool:
+    """Whether a put names no field (None, an empty dict, a TensorDict without keys of ``n`` rows)."""
+    if fields is None:
+        return True
+    if isinstance(fields, TensorDictBase) and not fields.keys():
+        if fields.batch_dims < 1 or fields.batch_size[0] != n:
+            raise InvalidArgument(
+                f"TensorDict batch_size {list(fields.batch_size)} does not match {n} keys; "
+                "its first batch dim must equal len(keys)"
+            )
+        return True
+    return isinstance(fields, Mapping) and not fields
+
+
 def _common_lengths(columns: Mapping[str, Column]) -> tuple[int, ...] | None:
     """Row lengths when every jagged field of the put agrees on them."""
     found: torch.Tensor | None = None
@@ -189,7 +203,7 @@ class StoreClient(DataPlaneClient):
     def kv_batch_put(
         self,
         keys: Sequence[str],
-        fields: FieldsIn,
+        fields: FieldsIn | None,
         *,
         partition_id: str,
         tags: Sequence[Mapping[str, Any]] | None = None,
@@ -200,7 +214,13 @@ class StoreClient(DataPlaneClient):
         key_list = check_keys(keys)
         self._store.validate_keys(key_list)
         tag_list = _check_tags(tags, len(key_list))
-        columns = encode_fields(fields, len(key_list), pickle_fields=self.pickle_fields)
+        if _no_fields(fields, len(key_list)):
+            if tag_list is None:
+                raise InvalidArgument("a put needs fields, tags or both; this one has neither")
+            columns: dict[str, Column] = {}  # a tag-only put
+        else:
+            assert fields is not None
+            columns = encode_fields(fields, len(key_list), pickle_fields=self.pickle_fields)
         # Built before the write: right after moving many bytes, the same Python work runs slower
         # (cold caches), and nothing here depends on the write but the adapter's extra_info.
         meta = trusted_meta(  # every part checked above
@@ -379,6 +399,16 @@ class StoreClient(DataPlaneClient):
         self._check_open()
         partition_id = None if partition_id is None else _check_partition(partition_id)
         return self._store.list(partition_id, timeout_s=self.timeout_s)
+
+    def kv_describe(self, keys: Sequence[str], *, partition_id: str) -> dict[str, RowInfo]:
+        self._check_open()
+        partition_id = _check_partition(partition_id)
+        key_list = check_keys(keys)
+        self._store.validate_keys(key_list)
+        found = self._store.describe(partition_id, key_list, timeout_s=self.timeout_s)
+        if len(found) != len(key_list):
+            raise AssertionError(f"the store described {len(found)} rows for {len(key_list)} keys")
+        return {k: info for k, info in zip(key_list, found, strict=True) if info is not None}
 
     def close(self) -> None:
         with self._close_lock:

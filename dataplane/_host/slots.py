@@ -3,13 +3,14 @@ key) and per field arrays over slots, instead of one Python object per row."""
 
 from __future__ import annotations
 
+import copy
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["NONE", "add_keys", "grown", "lookup", "merged_tags"]
+__all__ = ["NONE", "add_keys", "described", "grown", "lookup", "merged_tags"]
 
 NONE = -1  # no put holds this field for this slot (or: a dead slot)
 
@@ -64,3 +65,48 @@ def merged_tags(
     if not tags:
         return {k: {} for k in rows}
     return {k: tags.get(s) or {} for k, s in rows.items()}
+
+
+def described(
+    slots: np.ndarray,
+    held: Mapping[str, np.ndarray],
+    tagged: Iterable[tuple[np.ndarray, Sequence[Mapping[str, Any]] | None]],
+) -> list[tuple[frozenset[str], dict[str, Any]] | None]:
+    """Per slot of ``slots`` (``NONE``: an absent key): the fields it holds and its merged tags, or
+    None. ``held``: field -> array over slots, ``NONE`` where no put holds the field for the slot;
+    ``tagged``: (slot of each row, tags) per put, in put order. Costs one pass over the puts' tags,
+    no listing."""
+    n = len(slots)
+    live = slots != NONE
+    names = list(held)
+    # one bit per field; rows with the same bits share one frozenset
+    bits = np.zeros(n, dtype=object if len(names) > 62 else np.int64)
+    for i, name in enumerate(names):
+        col = held[name]
+        inside = live & (slots < len(col))
+        has = np.zeros(n, dtype=bool)
+        has[inside] = col[slots[inside]] != NONE
+        bits[has] += 1 << i
+    sets: dict[int, frozenset[str]] = {}
+    want = {int(s): [] for s in slots[live].tolist()}  # slot -> tag dicts in put order
+    for put_slots, put_tags in tagged:
+        if not put_tags:
+            continue
+        for s, t in zip(put_slots.tolist(), put_tags, strict=True):
+            if t and s in want:
+                want[s].append(t)
+    out: list[tuple[frozenset[str], dict[str, Any]] | None] = []
+    for s, b in zip(slots.tolist(), bits.tolist(), strict=True):
+        if s == NONE:
+            out.append(None)
+            continue
+        fields = sets.get(b)
+        if fields is None:
+            fields = sets[b] = frozenset(name for i, name in enumerate(names) if b >> i & 1)
+        tags: dict[str, Any] = {}
+        for t in want[s]:
+            tags.update(t)
+        if any(isinstance(v, (list, dict)) for v in tags.values()):
+            tags = copy.deepcopy(tags)  # the caller's to change
+        out.append((fields, tags))
+    return out

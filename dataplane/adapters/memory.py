@@ -26,12 +26,12 @@ import torch
 
 from dataplane._host.bufpool import BufferPool, default_pool
 from dataplane._host.hostcopy import copy_spans
-from dataplane._host.slots import NONE, add_keys, grown, lookup, merged_tags
+from dataplane._host.slots import NONE, add_keys, described, grown, lookup, merged_tags
 from dataplane.client import Capabilities, Listing
 from dataplane.codec.jagged import offsets_from_lengths
 from dataplane.codec.wire import Column
 from dataplane.errors import CapacityExceeded, DataPlaneTimeout, InvalidArgument, missing_rows_error
-from dataplane.meta import KVBatchMeta
+from dataplane.meta import KVBatchMeta, RowInfo
 from dataplane.registry import check_options, url_option
 from dataplane.schema import FieldSchema, check_compatible
 from dataplane.storage import KVStore
@@ -435,6 +435,17 @@ class MemoryStore(KVStore):
         finally:
             self._lock.release()
 
+    def describe(self, partition_id: str, keys: Sequence[str], *, timeout_s: float) -> list[RowInfo | None]:
+        self._acquire(timeout_s)
+        try:
+            part = self._parts.get(partition_id)
+            if part is None:
+                return [None] * len(keys)
+            found = described(lookup(part.rows, keys), {f: c[0] for f, c in part.cols.items()}, part.tagged)
+        finally:
+            self._lock.release()
+        return [None if x is None else RowInfo(*x) for x in found]
+
     def close(self) -> None:
         with self._lock:
             self._parts.clear()
@@ -492,6 +503,9 @@ class _SharedRef(KVStore):
 
     def list(self, partition_id: str | None, *, timeout_s: float) -> Listing:
         return self.target.list(partition_id, timeout_s=timeout_s)
+
+    def describe(self, partition_id: str, keys: Sequence[str], *, timeout_s: float) -> list[RowInfo | None]:
+        return self.target.describe(partition_id, keys, timeout_s=timeout_s)
 
     def close(self) -> None:
         name = self.target.config.name

@@ -319,6 +319,50 @@ class ClientConformance:
         assert client.kv_list(pid)[pid] == {"a": {"r": 1.0, "v": 3}, "b": {"r": 0.0}}
         assert pid in client.kv_list()
 
+    def test_tag_only_rows(self, client: DataPlaneClient, pid: str) -> None:
+        """A put of tags alone makes rows without fields (listed, described, cleared like any row)
+        and merges into existing rows' tags without touching their fields."""
+        meta = client.kv_batch_put(["p1", "p2"], None, partition_id=pid, tags=[{"s": "pending"}, {"s": "pending"}])
+        assert meta.fields == () and meta.tags == ({"s": "pending"}, {"s": "pending"})
+        client.kv_batch_put(["x"], {"v": torch.ones(1, 2)}, partition_id=pid, tags=[{"n": 1}])
+        client.kv_batch_put(["p1", "x"], {}, partition_id=pid, tags=[{"s": "running"}, {"n": 2, "m": [1]}])
+        assert client.kv_list(pid)[pid] == {"p1": {"s": "running"}, "p2": {"s": "pending"}, "x": {"n": 2, "m": [1]}}
+        assert list(client.kv_list(pid)[pid]) == ["p1", "p2", "x"]  # first-put order
+        with pytest.raises(KeyNotFound, match="'v'"):
+            client.kv_batch_get(["p1"], partition_id=pid, select_fields="v")
+        assert client.kv_batch_get(["x"], partition_id=pid, select_fields="v")["v"].eq(1).all()
+        client.kv_batch_put(["p2"], {"v": torch.zeros(1, 2)}, partition_id=pid)  # a tag-only row gets a field
+        info = client.kv_describe(["p2", "p1"], partition_id=pid)
+        assert info["p2"].fields == {"v"} and info["p2"].tags == {"s": "pending"} and info["p1"].fields == set()
+        client.kv_clear(["p1"], partition_id=pid)
+        assert list(client.kv_list(pid)[pid]) == ["p2", "x"]
+        before = client.kv_list()
+        with pytest.raises(InvalidArgument, match="neither"):
+            client.kv_batch_put(["q"], None, partition_id=pid)
+        with pytest.raises(InvalidArgument):
+            client.kv_batch_put(["q"], None, partition_id=pid, tags=[{}, {}])
+        assert client.kv_list() == before
+
+    def test_describe_reports_fields_and_merged_tags_per_key(self, client: DataPlaneClient, pid: str) -> None:
+        client.kv_batch_put(["a", "b", "c"], {"x": torch.arange(3)}, partition_id=pid, tags=[{"r": 1}, {}, {"r": 3}])
+        client.kv_batch_put(
+            ["b", "a"], {"y": _jagged([torch.ones(2), torch.ones(1)])}, partition_id=pid, tags=[{}, {"q": "z"}]
+        )
+        info = client.kv_describe(["c", "nope", "a", "b"], partition_id=pid)
+        assert list(info) == ["c", "a", "b"]  # asked order; absent keys left out
+        assert info["a"].fields == {"x", "y"} and info["a"].tags == {"r": 1, "q": "z"}
+        assert info["b"].fields == {"x", "y"} and info["b"].tags == {}
+        assert info["c"].fields == {"x"} and info["c"].tags == {"r": 3}
+        info["a"].tags["r"] = 99  # a copy
+        assert client.kv_describe(["a"], partition_id=pid)["a"].tags["r"] == 1
+        client.kv_clear(["a"], partition_id=pid)
+        assert list(client.kv_describe(["a", "b"], partition_id=pid)) == ["b"]
+        assert client.kv_describe(["a"], partition_id=f"{pid}-none") == {}
+        with pytest.raises(InvalidArgument):
+            client.kv_describe(["b", "b"], partition_id=pid)
+        with pytest.raises(SchemaError):
+            client.kv_describe("b", partition_id=pid)
+
     def test_get_by_meta(self, client: DataPlaneClient, pid: str) -> None:
         meta = client.kv_batch_put(["a", "b", "c"], {"x": torch.arange(3)}, partition_id=pid)
         sub = KVBatchMeta.from_dict(meta.to_dict()).subset([2, 0])

@@ -107,6 +107,29 @@ def make_state_machine(factory: Callable[[], DataPlaneClient]) -> type[RuleBased
 
         @rule(
             part=st.integers(0, 1),
+            keys=st.lists(st.sampled_from(_KEYS), min_size=1, max_size=4, unique=True),
+            data=st.data(),
+        )
+        def put_tags(self, part: int, keys: list[str], data: st.DataObject) -> None:
+            """A tag-only put: absent keys become rows without fields, present ones merge the tags."""
+            pid = self.parts[part]
+            tags = data.draw(
+                st.lists(
+                    st.fixed_dictionaries(
+                        {}, optional={"s": st.sampled_from(["pending", "done"]), "r": st.integers(-3, 3)}
+                    ),
+                    min_size=len(keys),
+                    max_size=len(keys),
+                ),
+                label="tags",
+            )
+            self.client.kv_batch_put(keys, None, partition_id=pid, tags=tags)
+            for k, t in zip(keys, tags, strict=True):
+                self.model[pid].setdefault(k, {})
+                self.tags[pid].setdefault(k, {}).update(t)
+
+        @rule(
+            part=st.integers(0, 1),
             keys=st.none() | st.lists(st.sampled_from(_KEYS), min_size=1, max_size=3, unique=True),
         )
         def clear(self, part: int, keys: list[str] | None) -> None:
@@ -121,6 +144,15 @@ def make_state_machine(factory: Callable[[], DataPlaneClient]) -> type[RuleBased
             for pid in self.parts:
                 listed = self.client.kv_list(pid).get(pid, {})
                 assert listed == self.tags[pid], (pid, listed, self.tags[pid])
+                assert list(listed) == list(self.tags[pid]), ("first-put order", pid, list(listed))
+
+        @invariant()
+        def describe_matches(self) -> None:
+            for pid in self.parts:
+                info = self.client.kv_describe(_KEYS, partition_id=pid)
+                assert list(info) == [k for k in _KEYS if k in self.model[pid]], (pid, list(info))
+                for k, row in info.items():
+                    assert row.fields == set(self.model[pid][k]) and row.tags == self.tags[pid][k], (pid, k, row)
 
         def teardown(self) -> None:
             for pid in self.parts:
