@@ -24,7 +24,7 @@ from tensordict import TensorDict, TensorDictBase
 from dataplane._host.quiet import BACKEND_LOGS_ENV, backend_logs, filtered_stderr
 from dataplane.client import Capabilities, DataPlaneClient, FieldsIn, KeysOrMeta, Listing, PadValues
 from dataplane.codec.wire import Layout
-from dataplane.meta import KVBatchMeta
+from dataplane.meta import KVBatchMeta, RowInfo
 
 __all__ = [
     "BACKEND_LOGS_ENV",
@@ -157,15 +157,15 @@ class ObservedClient(DataPlaneClient):
     def kv_batch_put(
         self,
         keys: Sequence[str],
-        fields: FieldsIn,
+        fields: FieldsIn | None,
         *,
         partition_id: str,
         tags: Sequence[Mapping[str, Any]] | None = None,
     ) -> KVBatchMeta:
-        n_fields = len(list(fields.keys()))
+        n_fields = 0 if fields is None else len(list(fields.keys()))
         with self._observe("kv_batch_put", partition_id, len(keys), n_fields) as box:
             meta = self.inner.kv_batch_put(keys, fields, partition_id=partition_id, tags=tags)
-            per_field = {f: payload_bytes({f: v}) for f, v in fields.items()}
+            per_field = {} if fields is None else {f: payload_bytes({f: v}) for f, v in fields.items()}
             box[0] = sum(per_field.values())
             self._account_put(partition_id, list(keys), per_field)
             return meta
@@ -238,6 +238,10 @@ class ObservedClient(DataPlaneClient):
     def kv_list(self, partition_id: str | None = None) -> Listing:
         with self._observe("kv_list", partition_id, 0, 0):
             return self.inner.kv_list(partition_id)
+
+    def kv_describe(self, keys: Sequence[str], *, partition_id: str) -> dict[str, RowInfo]:
+        with self._observe("kv_describe", partition_id, len(keys), 0):
+            return self.inner.kv_describe(keys, partition_id=partition_id)
 
     def close(self) -> None:
         self.inner.close()

@@ -408,7 +408,7 @@ class StoreClient(DataPlaneClient):
         found = self._store.describe(partition_id, key_list, timeout_s=self.timeout_s)
         if len(found) != len(key_list):
             raise AssertionError(f"the store described {len(found)} rows for {len(key_list)} keys")
-        return {k: info for k, info in zip(key_list, found, strict=True) if info is not None}
+        return {k: row for k, row in zip(key_list, found, strict=True) if row is not None}
 
     def close(self) -> None:
         with self._close_lock:

@@ -88,7 +88,7 @@ def described(
         has[inside] = col[slots[inside]] != NONE
         bits[has] += 1 << i
     sets: dict[int, frozenset[str]] = {}
-    want = {int(s): [] for s in slots[live].tolist()}  # slot -> tag dicts in put order
+    want: dict[int, list[Mapping[str, Any]]] = {int(s): [] for s in slots[live].tolist()}  # slot -> its tags, put order
     for put_slots, put_tags in tagged:
         if not put_tags:
             continue
