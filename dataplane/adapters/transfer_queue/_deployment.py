@@ -58,7 +58,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from importlib import resources
+from pathlib import Path
 from typing import Any, Literal
 
 from dataplane._host.quiet import filtered_stderr
@@ -257,11 +257,11 @@ class TQDeployment:
         """
         import concurrent.futures
 
-        import transfer_queue as tq
+        import transfer_queue.interface as itf
 
         loop = self._client_loop()
         limit = self.cfg.op_timeout_s if timeout is None else timeout
-        future = asyncio.run_coroutine_threadsafe(getattr(tq, f"async_{fn}")(*args, **kwargs), loop)
+        future = asyncio.run_coroutine_threadsafe(getattr(itf, f"async_{fn}")(*args, **kwargs), loop)
         try:
             return future.result(limit)
         except concurrent.futures.TimeoutError:
@@ -275,11 +275,11 @@ class TQDeployment:
 
     async def acall(self, fn: str, /, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
         """Async twin of :meth:`call`: awaits TQ's loop without blocking the caller's loop."""
-        import transfer_queue as tq
+        import transfer_queue.interface as itf
 
         loop = self._client_loop()
         limit = self.cfg.op_timeout_s if timeout is None else timeout
-        future = asyncio.run_coroutine_threadsafe(getattr(tq, f"async_{fn}")(*args, **kwargs), loop)
+        future = asyncio.run_coroutine_threadsafe(getattr(itf, f"async_{fn}")(*args, **kwargs), loop)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(future), limit)
         except TimeoutError:
@@ -467,10 +467,10 @@ def _identity() -> tuple[str, str]:
 def _quiet_attach() -> Any:
     """``tq.init()`` attaching to the running TransferQueue (it creates this process's client; on
     Mooncake the store's setup logs a harmless "Local segment descriptor not found")."""
-    import transfer_queue as tq
+    import transfer_queue.interface as itf
 
     with filtered_stderr():
-        return tq.init()
+        return itf.init()
 
 
 def _check_mooncake_master(conf: Any) -> None:
@@ -493,18 +493,17 @@ def _tq_init(conf: dict[str, Any]) -> Any:
     through ``tq.init`` itself).
     """
     import ray
-    import transfer_queue as tq
     import transfer_queue.interface as itf
     from omegaconf import OmegaConf
 
     final = OmegaConf.merge(
         OmegaConf.create({}, flags={"allow_objects": True}),
-        OmegaConf.load(str(resources.files("transfer_queue") / "config.yaml")),
+        OmegaConf.load(str(Path(itf.__file__).parent / "config.yaml")),  # not the package: it may be a facade
         conf,
     )
     sampler = final.controller.sampler
     if final.metrics.enabled or not isinstance(sampler, str) or not hasattr(itf, sampler):
-        return tq.init(conf)
+        return itf.init(conf)
     try:
         itf._TQ_CONTROLLER = itf.TransferQueueController.options(name=CONTROLLER_NAME, namespace=TQ_NAMESPACE).remote(
             sampler=getattr(itf, sampler), polling_mode=final.controller.polling_mode

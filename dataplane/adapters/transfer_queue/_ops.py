@@ -91,7 +91,7 @@ def _cleared_under_read(e: BaseException) -> bool:
     """Whether ``e`` is TransferQueue's ``StorageKeyNotFoundError``: a storage unit no longer held a
     row the controller had just named (a concurrent clear)."""
     try:
-        from transfer_queue import StorageKeyNotFoundError
+        from transfer_queue.storage import StorageKeyNotFoundError
     except ImportError:  # pragma: no cover - other TransferQueue versions: by its marker
         return isinstance(e, KeyError) and "TQKeyNotFound" in str(e)
     return isinstance(e, StorageKeyNotFoundError)

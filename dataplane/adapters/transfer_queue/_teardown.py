@@ -81,12 +81,11 @@ def close_quietly(storage_client: Any) -> None:
 
 def owner_teardown() -> None:
     """``tq.close()`` (storage units, client, controller), then the Mooncake client TQ never closes."""
-    import transfer_queue as tq
-    import transfer_queue.interface as itf
+    import transfer_queue.interface as itf  # never the top-level package: it may be the verl facade
 
     storage_client = mooncake_store_client(itf._TQ_CLIENT)
     try:
-        tq.close()
+        itf.close()
     except Exception as e:
         logger.warning("tq.close() failed: %s", e)
     close_quietly(storage_client)
