@@ -37,6 +37,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 import dataplane
 from dataplane import DataPlaneClient, KeyNotFound, RowInfo
+from integrations.verl import checkpoint
 from integrations.verl.metas import BatchMeta, KVBatchMeta
 
 __all__ = [
@@ -60,6 +61,8 @@ __all__ = [
     "kv_clear",
     "kv_list",
     "kv_put",
+    "load_checkpoint",
+    "save_checkpoint",
 ]
 
 log = logging.getLogger(__name__)
@@ -356,6 +359,20 @@ def kv_clear(keys: Sequence[str] | str, partition_id: str) -> None:
     if not keys:
         raise ValueError("kv_clear needs at least one key")
     _dp().kv_clear(keys, partition_id=partition_id)
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+def save_checkpoint(checkpoint_dir: str, *, include_storage: bool = True, metadata: Any = None) -> None:
+    """Write every partition (keys in listing order, tags, fields) to ``checkpoint_dir`` as plain
+    files (:mod:`integrations.verl.checkpoint`), swapped in atomically. ``include_storage=False`` is
+    accepted and ignored: without the rows a Mooncake checkpoint would restore nothing."""
+    checkpoint.save(_dp(), checkpoint_dir, metadata=metadata)
+
+
+def load_checkpoint(checkpoint_dir: str) -> Any:
+    """Replace everything the deployment holds with the checkpoint (as TransferQueue's load does);
+    works on a deployment started after the one that was saved. Returns the saved metadata."""
+    return checkpoint.load(_dp(), checkpoint_dir)
 
 
 # -- async twins ----------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -203,3 +204,34 @@ def test_kv_batch_meta_is_mutable_as_verl_uses_it() -> None:
     kept = KVBatchMeta(keys=["a"], tags=tags)
     tags[0]["i"] = 5
     assert kept.tags == [{"i": 0}]  # the meta deep-copied its tags
+
+
+def test_checkpoint_restores_rows_tags_order_and_fields_into_another_store(
+    store: dataplane.DataPlaneClient, tmp_path: Path
+) -> None:
+    tq.kv_batch_put(keys=["p1", "p2"], partition_id="train", tags=[{"is_prompt": True, "status": "pending"}] * 2)
+    tq.kv_batch_put(keys=["a", "b"], partition_id="train", fields=_rollout([6, 6]), tags=[{"seq_len": 6}] * 2)
+    tq.kv_batch_put(keys=["c"], partition_id="train", fields=_rollout([3], start=50), tags=[{"seq_len": 3}])
+    tq.kv_batch_put(keys=["a"], partition_id="train", fields=TensorDict({"adv": torch.ones(1)}, batch_size=[1]))
+    tq.kv_batch_put(keys=["v"], partition_id="val", fields=TensorDict({"r": torch.ones(1)}, batch_size=[1]))
+    before = tq.kv_list()
+    reads = {k: tq.kv_batch_get(keys=k, partition_id="train") for k in ["a", "b", "c"]}
+    tq.save_checkpoint(str(tmp_path / "ckpt"), metadata={"global_steps": 7})
+    tq.save_checkpoint(str(tmp_path / "ckpt"), metadata={"global_steps": 8})  # swapped in over the first
+    assert not (tmp_path / "ckpt.tmp").exists() and not (tmp_path / "ckpt.old").exists()
+    with dataplane.connect() as fresh:  # another store, already holding something the load replaces
+        tq._adopt(fresh)
+        tq.kv_batch_put(keys=["stale"], partition_id="gone", tags=[{}])
+        assert tq.load_checkpoint(str(tmp_path / "ckpt")) == {"global_steps": 8}
+        assert tq.kv_list() == before and list(tq.kv_list()["train"]) == list(before["train"])
+        for k, want in reads.items():
+            got = tq.kv_batch_get(keys=k, partition_id="train")
+            assert list(got.keys()) == list(want.keys())
+            for f in want.keys():
+                a, b = got.get(f), want.get(f)
+                if isinstance(a, torch.Tensor):
+                    assert torch.equal(a.values(), b.values()) if a.is_nested else torch.equal(a, b)
+                else:
+                    assert a.tolist() == b.tolist()
+        with pytest.raises(FileNotFoundError):
+            tq.load_checkpoint(str(tmp_path / "nothing"))
