@@ -30,7 +30,7 @@ MANIFEST = "metadata.json"
 
 
 def _pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    return bytes(msgpack.packb(obj, use_bin_type=True))
 
 
 def _unpack(data: bytes) -> Any:
@@ -46,7 +46,7 @@ def _save_group(client: DataPlaneClient, pid: str, keys: list[str], fields: list
     for f in fields:
         v = got.get(f)
         if isinstance(v, torch.Tensor) and v.is_nested:
-            tensors[f"{f}/values"], tensors[f"{f}/offsets"] = v.values().contiguous(), v.offsets()
+            tensors[f"{f}/values"], tensors[f"{f}/offsets"] = v.values().contiguous(), v.offsets()  # type: ignore[attr-defined]
             kinds[f] = "jagged"
         elif isinstance(v, torch.Tensor):
             tensors[f] = v.contiguous()
