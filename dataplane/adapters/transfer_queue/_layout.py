@@ -14,8 +14,9 @@
 * **Row marker.** Every row written through dataplane carries the tag ``__dataplane__``: on
   Mooncake its fields, sorted, comma-joined; on SimpleStorage its packs, ``;``-joined, each a
   comma-joined field list (field names hold neither, and one string is cheap in every TQ message
-  that carries tags). A key without it is a row whose put has not committed (or failed): it is
-  hidden from ``kv_list``, and a put treats it as new (so a rollback removes it).
+  that carries tags). An empty marker is a row holding no field (a tag-only put made it). A key
+  without it is a row whose put has not committed (or failed): it is hidden from ``kv_list`` and
+  ``kv_describe``, and a put treats it as new (so a rollback removes it).
 """
 
 from __future__ import annotations

@@ -15,6 +15,12 @@ Controller round trips (ZMQ requests to the ``TransferQueueController``), measur
   keys (1 more).
 * get by keys: 2, sent concurrently (the rows' metadata and the requested fields' schema keys), so
   the latency is about one.
+* tag-only put (no field): 2 -- the same ``kv_retrieve_meta(create=True)`` and one
+  ``set_custom_meta`` with the merged tags; no storage write. A key without a committed row becomes a
+  row whose marker is empty (no field).
+* describe: 1, ``kv_retrieve_meta(create=False)`` for the keys (their tags and markers: a row's
+  fields are those its marker names); 2 when some keys are absent, because TQ leaves them out of its
+  answer without saying which, so ``kv_retrieve_keys`` names the found rows' indexes. No listing.
 
 On SimpleStorage a put's fields travel as one packed TQ field (:mod:`dataplane.adapters.transfer_queue._pack`),
 so TQ's per-(row, field) cost is paid once per row.
@@ -65,12 +71,15 @@ from dataplane.codec.wire import Column
 from dataplane.errors import BackendUnavailable, DataPlaneError, KeyNotFound, SchemaError, missing_rows_error
 from dataplane.schema import FieldSchema, check_compatible
 
-__all__ = ["SCHEMA_EXTRA", "TQOps"]
+__all__ = ["SCHEMA_EXTRA", "Described", "TQOps"]
 
 log = logging.getLogger(__name__)
 
 SCHEMA_EXTRA = "tq_schema"  # meta.extra_info key of the schemas a put wrote
 ROLLBACK_TIMEOUT_S = 10.0
+
+Described = list[tuple[frozenset[str], dict[str, Any]] | None]
+"""What :meth:`TQOps.describe` returns: per asked key, its fields and tags, or None (absent)."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -82,6 +91,30 @@ def _marker_with(marker: str | None, fields: frozenset[str]) -> str:
 def _log_failure(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled() and fut.exception() is not None:
         log.warning("dataplane: rolling back a failed put failed; its new keys may remain: %s", fut.exception())
+
+
+@functools.lru_cache(maxsize=4096)
+def marker_fields(marker: str) -> frozenset[str]:
+    """The fields a committed row holds, from its marker (either layout; ``""``: a tag-only row)."""
+    return frozenset(split_fields(marker))
+
+
+def _aligned(asked: Sequence[str], names: Sequence[str | None]) -> list[int | None]:
+    """Position in ``asked`` of each found row, from the keys TQ names for the found rows' indexes
+    (TQ answers for the asked keys in order, leaving out the absent ones). A name that is gone, not
+    asked, or out of order belongs to a row cleared (its index perhaps handed to another key)
+    between the two requests: None, i.e. absent."""
+    where = {k: i for i, k in enumerate(asked)}
+    out: list[int | None] = []
+    last = -1
+    for name in names:
+        pos = where.get(name) if isinstance(name, str) else None
+        if pos is None or pos <= last:
+            out.append(None)
+            continue
+        out.append(pos)
+        last = pos
+    return out
 
 
 _CLEARED_RETRIES = 4  # reads of a get whose rows another process clears meanwhile
@@ -163,6 +196,10 @@ class TQOps:
         budget_s: float,
     ) -> dict[str, Any]:
         deadline = asyncio.get_running_loop().time() + budget_s
+        if not columns:
+            if tags is None:  # pragma: no cover - StoreClient rejects a put of neither
+                raise DataPlaneError("a put of no field needs tags; this is a dataplane bug")
+            return await self._put_tags(partition_id, keys, tags, deadline)
         fields = list(columns)
         nf = len(fields)
         bm = await self._retrieve(partition_id, [schema_key(f) for f in fields] + list(keys), create=True)
@@ -216,21 +253,51 @@ class TQOps:
                     commit_tags.append(schema_tag(f, columns[f].schema))
             await self._set_tags(partition_id, commit_gis, commit_tags)
         except BaseException as e:
-            if isinstance(e, asyncio.CancelledError) and (task := asyncio.current_task()) is not None:
-                task.uncancel()  # the caller has timed out already: the rollback goes on in the background
-            undo = asyncio.ensure_future(
-                asyncio.wait_for(
-                    self._rollback(partition_id, new_gis, [keys[i] for i in new], fields, writing), ROLLBACK_TIMEOUT_S
-                )
+            await self._undo(
+                e, self._rollback(partition_id, new_gis, [keys[i] for i in new], fields, writing), deadline
             )
-            self._background.add(undo)
-            undo.add_done_callback(self._background.discard)
-            undo.add_done_callback(_log_failure)
-            left = deadline - asyncio.get_running_loop().time() - 0.25  # answer before the caller's own bound
-            with contextlib.suppress(Exception):  # wait for it while the call's budget lasts
-                await asyncio.wait_for(asyncio.shield(undo), max(0.0, left))
             raise
         return {SCHEMA_EXTRA: {f: c.schema.to_dict() for f, c in columns.items()}}
+
+    async def _put_tags(
+        self, partition_id: str, keys: Sequence[str], tags: Sequence[Mapping[str, Any]], deadline: float
+    ) -> dict[str, Any]:
+        """A put of tags alone: 2 round trips (register the keys, commit the merged tags), no storage
+        write. A key that had no committed row becomes one with an empty marker, i.e. a row without
+        fields (listed, described, cleared like any other); a row's own marker is kept, so its fields
+        stay as they were. A present row whose tags do not change is left out of the commit."""
+        bm = await self._retrieve(partition_id, list(keys), create=True)
+        if bm.size != len(keys):
+            raise BackendUnavailable(f"TransferQueue registered {bm.size} of {len(keys)} keys; is it overloaded?")
+        gis: list[int] = bm.global_indexes
+        new_gis = [gi for gi, old in zip(gis, bm.custom_meta, strict=True) if MARKER not in old]
+        commit_gis, commit_tags = [], []
+        for gi, old, t in zip(gis, bm.custom_meta, tags, strict=True):
+            was = old.get(MARKER)
+            if MARKER in old and not t:
+                continue  # nothing to change: leave concurrent tag updates alone
+            commit_gis.append(gi)
+            commit_tags.append({**old, **t, MARKER: was if isinstance(was, str) else ""})
+        try:
+            await self._set_tags(partition_id, commit_gis, commit_tags)
+        except BaseException as e:
+            await self._undo(e, self._unregister(partition_id, new_gis), deadline)
+            raise
+        return {SCHEMA_EXTRA: {}}
+
+    async def _undo(self, error: BaseException, rollback: Any, deadline: float) -> None:
+        """Run ``rollback`` (a coroutine undoing a failed put) in the background, bounded by
+        ``ROLLBACK_TIMEOUT_S``, and wait for it while the call's budget lasts; ``error`` is what
+        made the put fail (a cancellation is the caller's timeout: the rollback outlives it)."""
+        if isinstance(error, asyncio.CancelledError) and (task := asyncio.current_task()) is not None:
+            task.uncancel()  # the caller has timed out already: the rollback goes on in the background
+        undo = asyncio.ensure_future(asyncio.wait_for(rollback, ROLLBACK_TIMEOUT_S))
+        self._background.add(undo)
+        undo.add_done_callback(self._background.discard)
+        undo.add_done_callback(_log_failure)
+        left = deadline - asyncio.get_running_loop().time() - 0.25  # answer before the caller's own bound
+        with contextlib.suppress(Exception):  # wait for it while the call's budget lasts
+            await asyncio.wait_for(asyncio.shield(undo), max(0.0, left))
 
     async def _unregister(self, partition_id: str, gis: list[int]) -> None:
         """Forget keys that hold no data (controller only)."""
@@ -438,7 +505,9 @@ class TQOps:
         fields = set(bm.field_names).union(*(split_fields(t.get(MARKER)) for t in bm.custom_meta))
         self.round_trips += 1
         await self.client._mark_clearing_in_controller(bm)
-        if self.mooncake is None:
+        if not fields:
+            pass  # tag-only rows: nothing in storage
+        elif self.mooncake is None:
             await self.manager.clear_data(bm)
         else:
             named = asked if bm.size == len(asked) else None  # every key found: in order, no need to ask
@@ -478,6 +547,36 @@ class TQOps:
         if known:
             stamps = key_stamps([k for _, k in known]).tolist()
             await self._in_thread(self.mooncake.remove, [gi for gi, _ in known], stamps, list(fields))
+
+    async def describe(self, partition_id: str, keys: Sequence[str]) -> Described:
+        """Each key's fields (from its row marker) and tags, or None where it has no committed row:
+        one ``kv_retrieve_meta(create=False)`` for the batch, and one ``kv_retrieve_keys`` more when
+        some keys are absent (TQ leaves them out of its answer without saying which, so the found
+        rows' indexes are named). Reads no field and lists nothing."""
+        asked = list(keys)
+        bm = await self._retrieve(partition_id, asked)
+        out: Described = [None] * len(asked)
+        if bm.size == 0:
+            return out
+        if bm.size == len(asked):
+            positions: list[int | None] = list(range(len(asked)))
+        else:
+            self.round_trips += 1
+            try:
+                names = await self.client.async_kv_retrieve_keys(
+                    global_indexes=list(bm.global_indexes), partition_id=partition_id
+                )
+            except RuntimeError as e:  # TQ 0.1.11 answers [] for a partition it no longer has
+                if "no corresponding keys" not in str(e):
+                    raise
+                return out  # dropped between the two requests
+            positions = _aligned(asked, names)
+        for pos, tags in zip(positions, bm.custom_meta, strict=True):
+            marker = tags.get(MARKER)
+            if pos is None or not isinstance(marker, str):
+                continue  # cleared meanwhile, or a put not committed (hidden from kv_list too)
+            out[pos] = (marker_fields(marker), {t: v for t, v in tags.items() if t != MARKER})
+        return out
 
     async def list(self, partition_id: str | None) -> Listing:
         out: Listing = {}

@@ -26,7 +26,7 @@ from dataplane.errors import (
     DataPlaneTimeout,
     InvalidArgument,
 )
-from dataplane.meta import KVBatchMeta
+from dataplane.meta import KVBatchMeta, RowInfo
 from dataplane.registry import check_options, url_option
 from dataplane.storage import KVStore
 from dataplane.store_client import StoreClient
@@ -34,6 +34,8 @@ from dataplane.store_client import StoreClient
 __all__ = ["TQConfig", "TQStore", "attached_clients", "connect"]
 
 log = logging.getLogger(__name__)
+
+_Described = list[RowInfo | None]  # an alias: inside TQStore, ``list`` is its method
 
 _GIB = 1 << 30
 
@@ -298,6 +300,10 @@ class TQStore(KVStore):
     def list(self, partition_id: str | None, *, timeout_s: float) -> Listing:
         out: Listing = self._run("list", self._ops.list, partition_id, timeout_s=timeout_s)
         return out
+
+    def describe(self, partition_id: str, keys: Sequence[str], *, timeout_s: float) -> _Described:
+        found = self._run("describe", self._ops.describe, partition_id, keys, timeout_s=timeout_s)
+        return [None if x is None else RowInfo(*x) for x in found]
 
     def close(self) -> None:
         with self._lock:

@@ -16,7 +16,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 import dataplane
 from dataplane.client import DataPlaneClient
-from dataplane.errors import KeyNotFound
+from dataplane.errors import BackendUnavailable, KeyNotFound
 from dataplane.testing import ClientConformance, make_state_machine
 
 pytestmark = [pytest.mark.tq]
@@ -63,6 +63,94 @@ class _TQConformance(ClientConformance):
                 keys, {"lp": torch.ones(16, 8), "ids": torch.zeros(16, 8, dtype=torch.int64)}, partition_id=pid
             )
             assert store.round_trips - before == 2  # markers unchanged: no tag commit
+        finally:
+            client.kv_clear(partition_id=pid)
+
+    def test_describe_and_tag_only_round_trips(self, client: DataPlaneClient) -> None:
+        """Describe: 1 controller request for the batch, 2 when some keys are absent (TQ leaves them
+        out of its answer unnamed), none listing the partition. A tag-only put: 2 (register, commit the
+        tags), no storage write. Fields described are the user's, never the adapter's packs or markers."""
+        store: Any = getattr(client, "store")  # noqa: B009 - StoreClient's store
+        pid = "describe-trips"
+        try:
+            keys = [f"k{i}" for i in range(16)]
+            client.kv_batch_put(
+                keys,
+                {"ids": torch.zeros(16, 2, dtype=torch.int64)},
+                partition_id=pid,
+                tags=[{"i": i} for i in range(16)],
+            )
+            client.kv_batch_put(keys[:4], {"lp": torch.ones(4)}, partition_id=pid)
+            before = store.round_trips
+            info = client.kv_describe(keys, partition_id=pid)
+            assert store.round_trips - before == 1
+            assert [info[k].fields for k in ("k0", "k5")] == [{"ids", "lp"}, {"ids"}] and info["k5"].tags == {"i": 5}
+            before = store.round_trips
+            info = client.kv_describe(["zz", "k3", "yy", "k9"], partition_id=pid)
+            assert store.round_trips - before == 2
+            assert list(info) == ["k3", "k9"] and info["k9"].tags == {"i": 9}
+            before = store.round_trips
+            assert client.kv_describe(["k1"], partition_id=f"{pid}-none") == {}
+            assert store.round_trips - before == 1
+            before = store.round_trips
+            client.kv_batch_put(["k1", "k2", "n1", "n2"], None, partition_id=pid, tags=[{"s": 1}, {}, {"s": 2}, {}])
+            assert store.round_trips - before == 2
+            before = store.round_trips
+            client.kv_batch_put(["k1", "n1"], {}, partition_id=pid, tags=[{}, {}])  # nothing changes: no commit
+            assert store.round_trips - before == 1
+            info = client.kv_describe(["k1", "k2", "n1", "n2"], partition_id=pid)
+            assert {k: (set(r.fields), r.tags) for k, r in info.items()} == {
+                "k1": ({"ids", "lp"}, {"i": 1, "s": 1}),
+                "k2": ({"ids", "lp"}, {"i": 2}),
+                "n1": (set(), {"s": 2}),
+                "n2": (set(), {}),
+            }
+            assert list(client.kv_list(pid)[pid])[-2:] == ["n1", "n2"]
+        finally:
+            client.kv_clear(partition_id=pid)
+
+    def test_describe_leaves_out_rows_cleared_between_its_two_requests(
+        self, client: DataPlaneClient, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """With keys absent, describe names the found rows' indexes in a second request: a row whose
+        index is gone by then, or names a key out of the asked order (handed to another key), is
+        reported absent rather than under another key's name."""
+        ops: Any = getattr(client, "store")._ops  # noqa: B009 - StoreClient's store
+        pid = "describe-race"
+        try:
+            client.kv_batch_put(["a", "b", "c"], {"x": torch.arange(3)}, partition_id=pid, tags=[{"t": 1}] * 3)
+            name = ops.client.async_kv_retrieve_keys
+
+            async def renamed(*, global_indexes: list[int], partition_id: str) -> list[str | None]:
+                got = await name(global_indexes=global_indexes, partition_id=partition_id)
+                return [None if k == "a" else "a" if k == "c" else k for k in got]
+
+            monkeypatch.setattr(ops.client, "async_kv_retrieve_keys", renamed)
+            assert list(client.kv_describe(["a", "b", "zz", "c"], partition_id=pid)) == ["b"]
+        finally:
+            monkeypatch.undo()
+            client.kv_clear(partition_id=pid)
+
+    def test_a_failed_tag_only_put_removes_the_keys_it_created(
+        self, client: DataPlaneClient, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        store: Any = getattr(client, "store")  # noqa: B009 - StoreClient's store
+        ops = store._ops
+        pid = "tag-only-failed"
+        try:
+            client.kv_batch_put(["a"], {"x": torch.ones(1)}, partition_id=pid, tags=[{"t": 1}])
+
+            async def broken(*args: Any) -> None:
+                raise RuntimeError("controller gone")
+
+            monkeypatch.setattr(ops, "_set_tags", broken)
+            with pytest.raises(BackendUnavailable, match="controller gone"):
+                client.kv_batch_put(["a", "new"], None, partition_id=pid, tags=[{"t": 2}, {"t": 3}])
+            monkeypatch.undo()
+            raw = store.deployment.run(ops._listing, pid, timeout=30)[pid]
+            assert "new" not in raw
+            assert client.kv_list(pid)[pid] == {"a": {"t": 1}}
+            assert client.kv_describe(["a", "new"], partition_id=pid)["a"].fields == {"x"}
         finally:
             client.kv_clear(partition_id=pid)
 
