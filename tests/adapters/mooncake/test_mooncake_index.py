@@ -233,6 +233,22 @@ def test_fold_rewrite_tombstone_tags_and_gc() -> None:
     assert {p.put_id for p in garbage} == {p1.put_id, p2.put_id, p3.put_id, t.put_id} and not need
 
 
+@pytest.mark.parametrize("version", [2, 3, 4])
+def test_a_tag_only_index_of_every_version_read_folds_to_rows_without_fields(version: int) -> None:
+    body = msgpack.unpackb(encode_index(["p", "q"], {}, [{"s": "pending"}, {}]), raw=False)
+    assert body["fields"] == {} and body["offsets"] == [] and "p" not in body  # no data object, not packed
+    body["v"] = version
+    pid = new_put_id("w")
+    key = f"{index_prefix('ns', 'p')}{pid}.0"
+    p = decode_index(key, pid, msgpack.packb(body))
+    assert p.op == "put" and p.keys == ("p", "q") and not p.fields and p.object_keys() == [key]
+    state = PartitionState.build([_put(["q"], {"x": DENSE}, [{"r": 1}]), p])  # a later put of a field of q
+    listed = state.listing()
+    assert listed == {"p": {"s": "pending"}, "q": {"r": 1}} and list(listed) == ["p", "q"]
+    assert state.describe(["p", "q"]) == [(frozenset(), {"s": "pending"}), (frozenset({"x"}), {"r": 1})]
+    assert state.resolve(["p", "q"], ["x"])[1] == {"x": ["p"]}
+
+
 def test_tag_only_rows_and_birth_markers_survive_gc_in_first_put_order() -> None:
     a = _put(["k", "m"], {"x": DENSE})  # k and m first put here
     t = _put(["s"], {}, [{}])  # a tag-only row without tags: only its put says it exists
