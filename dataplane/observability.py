@@ -162,7 +162,7 @@ class ObservedClient(DataPlaneClient):
         partition_id: str,
         tags: Sequence[Mapping[str, Any]] | None = None,
     ) -> KVBatchMeta:
-        n_fields = 0 if fields is None else len(list(fields.keys()))
+        n_fields = 0 if fields is None else len(list(fields.keys()))  # None: a tag-only put
         with self._observe("kv_batch_put", partition_id, len(keys), n_fields) as box:
             meta = self.inner.kv_batch_put(keys, fields, partition_id=partition_id, tags=tags)
             per_field = {} if fields is None else {f: payload_bytes({f: v}) for f, v in fields.items()}

@@ -42,6 +42,7 @@ a complete one, its registration and the conformance suite it must pass::
 
 from __future__ import annotations
 
+import builtins
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -270,7 +271,7 @@ class KVStore(ABC):
     def list(self, partition_id: str | None, *, timeout_s: float) -> Listing:
         """``{partition_id: {key: tags}}`` for one partition (None: every partition with rows)."""
 
-    def describe(self, partition_id: str, keys: Sequence[str], *, timeout_s: float) -> Sequence[RowInfo | None]:
+    def describe(self, partition_id: str, keys: Sequence[str], *, timeout_s: float) -> builtins.list[RowInfo | None]:
         """What each of ``keys`` holds, in order: a :class:`RowInfo` (its fields, its merged tags), or
         None where the key is absent. Served from the partition's index: it reads no field and should
         not cost a listing of the partition.

@@ -4,6 +4,7 @@ key) and per field arrays over slots, instead of one Python object per row."""
 from __future__ import annotations
 
 import copy
+import itertools
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -67,15 +68,20 @@ def merged_tags(
     return {k: tags.get(s) or {} for k, s in rows.items()}
 
 
+# tag values a caller cannot change in place: a merged tag dict holding only these needs no deep copy
+_SCALARS = frozenset({int, float, str, bool, bytes, type(None)})
+
+
 def described(
     slots: np.ndarray,
     held: Mapping[str, np.ndarray],
     tagged: Iterable[tuple[np.ndarray, Sequence[Mapping[str, Any]] | None]],
 ) -> list[tuple[frozenset[str], dict[str, Any]] | None]:
-    """Per slot of ``slots`` (``NONE``: an absent key): the fields it holds and its merged tags, or
-    None. ``held``: field -> array over slots, ``NONE`` where no put holds the field for the slot;
-    ``tagged``: (slot of each row, tags) per put, in put order. Costs one pass over the puts' tags,
-    no listing."""
+    """Per slot of ``slots`` (distinct, but for ``NONE``: an absent key): the fields it holds and its
+    merged tags, or None. ``held``: field -> array over slots, ``NONE`` where no put holds the field
+    for the slot; ``tagged``: (slot of each row, ``NONE`` for a dead one; tags) per put, in put
+    order. Costs one pass over the puts' tags, no listing: the rows of a put none of whose slots is
+    asked for are skipped in C."""
     n = len(slots)
     live = slots != NONE
     names = list(held)
@@ -87,14 +93,30 @@ def described(
         has = np.zeros(n, dtype=bool)
         has[inside] = col[slots[inside]] != NONE
         bits[has] += 1 << i
-    sets: dict[int, frozenset[str]] = {}
-    want: dict[int, list[Mapping[str, Any]]] = {int(s): [] for s in slots[live].tolist()}  # slot -> its tags, put order
+    asked = slots[live]
+    top = int(asked.max()) + 1 if len(asked) else 0
+    want = np.zeros(top + 1, dtype=bool)  # per slot, and False at [top] for every slot outside
+    want[asked] = True
+    merged: dict[int, dict[str, Any]] = {}  # slot -> its merged tags (a copy)
     for put_slots, put_tags in tagged:
-        if not put_tags:
+        if not put_tags or not top:
             continue
-        for s, t in zip(put_slots.tolist(), put_tags, strict=True):
-            if t and s in want:
-                want[s].append(t)
+        pick = want[np.where((put_slots >= 0) & (put_slots < top), put_slots, top)]
+        rows = put_slots.tolist()
+        if pick.all():
+            pairs: Iterable[tuple[int, Mapping[str, Any]]] = zip(rows, put_tags, strict=True)
+        else:
+            pairs = ((rows[j], put_tags[j]) for j in np.flatnonzero(pick).tolist())
+        for s, t in pairs:
+            if t:
+                mine = merged.get(s)
+                if mine is None:
+                    merged[s] = dict(t)
+                else:
+                    mine.update(t)
+    # whether any merged tags hold a value the caller could change in place (one pass in C)
+    nested = not _SCALARS.issuperset(map(type, itertools.chain.from_iterable(map(dict.values, merged.values()))))
+    sets: dict[int, frozenset[str]] = {}
     out: list[tuple[frozenset[str], dict[str, Any]] | None] = []
     for s, b in zip(slots.tolist(), bits.tolist(), strict=True):
         if s == NONE:
@@ -103,10 +125,10 @@ def described(
         fields = sets.get(b)
         if fields is None:
             fields = sets[b] = frozenset(name for i, name in enumerate(names) if b >> i & 1)
-        tags: dict[str, Any] = {}
-        for t in want[s]:
-            tags.update(t)
-        if any(isinstance(v, (list, dict)) for v in tags.values()):
+        tags = merged.get(s)
+        if tags is None:
+            tags = {}
+        elif nested and not _SCALARS.issuperset(map(type, tags.values())):
             tags = copy.deepcopy(tags)  # the caller's to change
         out.append((fields, tags))
     return out

@@ -13,6 +13,7 @@ wrote raises ``DeploymentMismatch``. For several processes use ``mooncake://`` o
 
 from __future__ import annotations
 
+import builtins
 import os
 import threading
 import uuid
@@ -435,7 +436,7 @@ class MemoryStore(KVStore):
         finally:
             self._lock.release()
 
-    def describe(self, partition_id: str, keys: Sequence[str], *, timeout_s: float) -> Sequence[RowInfo | None]:
+    def describe(self, partition_id: str, keys: Sequence[str], *, timeout_s: float) -> builtins.list[RowInfo | None]:
         self._acquire(timeout_s)
         try:
             part = self._parts.get(partition_id)
@@ -504,7 +505,7 @@ class _SharedRef(KVStore):
     def list(self, partition_id: str | None, *, timeout_s: float) -> Listing:
         return self.target.list(partition_id, timeout_s=timeout_s)
 
-    def describe(self, partition_id: str, keys: Sequence[str], *, timeout_s: float) -> Sequence[RowInfo | None]:
+    def describe(self, partition_id: str, keys: Sequence[str], *, timeout_s: float) -> builtins.list[RowInfo | None]:
         return self.target.describe(partition_id, keys, timeout_s=timeout_s)
 
     def close(self) -> None:

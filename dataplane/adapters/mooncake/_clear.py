@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from dataplane.adapters.mooncake._index import (
     PartitionState,
+    birth_marker,
     data_prefix,
     decode_index,
     encode_index,
@@ -63,23 +64,30 @@ class Clears(PartitionCache):
             doomed = [k for k in keys if k in state.rows]
             if not doomed:
                 return
-            garbage, need_tombstone = state.garbage_after_delete(doomed)
+            garbage, need_tombstone, reborn = state.garbage_after_delete(doomed)
             known = dict(part.known)
             doomed_objects = [k for p in garbage for k in p.object_keys()]
-            if need_tombstone:  # first: removing first could briefly resurrect older values of doomed keys
+            # index objects written before anything goes: the tombstone (removing first could briefly
+            # resurrect older values of doomed keys), and the birth markers of the puts collected
+            # that surviving rows were first put in (removing first could briefly reorder them)
+            first: list[tuple[str, bytes]] = []
+            if need_tombstone:
                 put_id = new_put_id(self.writer)
                 body = encode_index(doomed, {}, None, op="del")
                 key = f"{index_prefix(self.ns, partition_id)}{put_id}.{len(body)}"
-                ptr, buf = self._sendable_bytes(body)
+                first.append((key, body))
+                known[put_id] = decode_index(key, put_id, body)
+            for p in reborn:
+                marker, body = birth_marker(p, self.writer)
+                first.append((marker.key, body))
+                known[marker.put_id] = marker
+            if first:
                 try:
-                    self._write([key], [ptr], [index_object_bytes(len(body))], partition_id, deadline)
+                    self._write_indexes(first, partition_id, deadline)
                 except CapacityExceeded:  # a full store must still be clearable: free space, then retry
                     self._remove(doomed_objects)
                     doomed_objects = []
-                    self._write([key], [ptr], [index_object_bytes(len(body))], partition_id, deadline)
-                finally:
-                    self._unstage(buf)
-                known[put_id] = decode_index(key, put_id, body)
+                    self._write_indexes(first, partition_id, deadline)
             self._remove(doomed_objects)
             for p in garbage:
                 known.pop(p.put_id, None)
@@ -87,6 +95,21 @@ class Clears(PartitionCache):
             part.state = part.state.refresh(known)
         if not known:
             self._forget(partition_id, part)
+
+    def _write_indexes(self, objects: Sequence[tuple[str, bytes]], partition_id: str, deadline: float) -> None:
+        """Write index objects ``objects`` ((key, body) each) in one all-or-nothing batch."""
+        held = [self._sendable_bytes(body) for _, body in objects]
+        try:
+            self._write(
+                [key for key, _ in objects],
+                [ptr for ptr, _ in held],
+                [index_object_bytes(len(body)) for _, body in objects],
+                partition_id,
+                deadline,
+            )
+        finally:
+            for _, buf in held:
+                self._unstage(buf)
 
     def _remove_listed(self, partition_id: str, part: _Part, lines: Sequence[str]) -> None:
         """Remove every put of the partition that ``lines`` list: their index objects, then their data

@@ -11,6 +11,11 @@ Layout in Mooncake (one namespace ``ns`` per deployment or job):
   the keys, per-field schema, byte size and row offsets, and the tags. A ``kv_clear(keys)`` writes a
   tombstone index (``op="del"``) the same way. The size in the name lets a reader fetch an index it
   has only seen in a listing with one ``batch_get_into`` and no size query.
+* A tag-only put (``kv_batch_put(keys, None, tags=...)``) is an index object alone: its keys and
+  tags, no field, no data object. Folded like any put, it makes absent keys rows that hold no field
+  and merges its tags into present ones. An index without fields was always well formed, and
+  dataplanes that read index version 4 fold it alike, so it needs no new version (their clears,
+  though, may collect a tag-only put whose rows have no tags, or a birth put: see below).
 
 Every index object is stored padded to whole pages, and so is every data object of a writer that
 sends from its own memory (shared memory, RDMA; its index says so): see :data:`OBJECT_ALIGN`. The
@@ -19,7 +24,12 @@ padding bytes are unspecified and never read as data.
 ``part`` and ``field`` are percent-encoded so they hold only ``[A-Za-z0-9_%-]`` (no ``/`` and nothing
 a regex treats specially). A ``put_id`` is ``{time_ns:019d}-{writer}``: sortable by time, unique per
 writer, strictly increasing within a process. A later put supersedes an earlier one per
-(key, field); a tombstone deletes its keys from everything before it.
+(key, field); a tombstone deletes its keys from everything before it. A partition lists its keys in
+the order of their first put since they were last cleared (their *birth* put): a clear keeps the
+birth put of every surviving row (see :meth:`PartitionState.garbage_after_delete`), so every reader
+folds the same order. Where a clear collects a birth put that only that order still needs, it
+writes a *birth marker* in its place first: an index object of the put's keys alone, whose put id
+is the collected one's followed by a fresh one (see :func:`birth_marker`).
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ from urllib.parse import quote, unquote
 import msgpack
 import numpy as np
 
-from dataplane._host.slots import NONE, add_keys, grown, lookup, merged_tags
+from dataplane._host.slots import NONE, add_keys, described, grown, lookup, merged_tags
 from dataplane.codec.jagged import round_up
 from dataplane.errors import BackendUnavailable, InvalidArgument, SchemaError
 from dataplane.schema import FieldSchema
@@ -48,6 +58,7 @@ __all__ = [
     "PartitionState",
     "PutIndex",
     "Resolved",
+    "birth_marker",
     "data_key",
     "data_keys",
     "decode_index",
@@ -408,6 +419,8 @@ class PartitionState:
         self._slots = 0  # slots handed out
         self._newest: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # field -> (fold number, row) per slot
         self._tagged: list[tuple[int, np.ndarray]] = []  # (fold number, slot of each row) of puts with tags
+        # per slot: the fold number of the put that gave it (its key's first put since it was last cleared)
+        self._born = np.zeros(0, dtype=np.int64)
 
     @classmethod
     def build(cls, puts: Iterable[PutIndex]) -> PartitionState:
@@ -424,8 +437,8 @@ class PartitionState:
             for k in p.keys:
                 self.rows.pop(k, None)
             return
-        slots = self._slots_of(p.keys)
         number = len(self._folded)
+        slots = self._slots_of(p.keys, number)
         self._folded.append(p)
         at = np.arange(len(p.keys), dtype=np.int64)
         for name, entry in p.fields.items():
@@ -441,13 +454,17 @@ class PartitionState:
         if p.tags is not None:
             self._tagged.append((number, slots))
 
-    def _slots_of(self, keys: Sequence[str]) -> np.ndarray:
-        """The slot of each of ``keys`` (distinct), new keys getting new ones."""
+    def _slots_of(self, keys: Sequence[str], number: int) -> np.ndarray:
+        """The slot of each of ``keys`` (distinct), new keys getting new ones, born in put ``number``."""
         slots = lookup(self.rows, keys)
         fresh = np.flatnonzero(slots == NONE)
         if len(fresh):
-            add_keys(self.rows, keys, slots, fresh, np.arange(self._slots, self._slots + len(fresh)))
+            new = np.arange(self._slots, self._slots + len(fresh))
+            add_keys(self.rows, keys, slots, fresh, new)
             self._slots += len(fresh)
+            if self._slots > len(self._born):
+                self._born = grown(self._born, max(self._slots, 2 * len(self._born), 1024))
+            self._born[new] = number
             have = len(next(iter(self._newest.values()))[0]) if self._newest else 0
             if self._slots > have:  # grow every field's columns (doubling)
                 size = max(self._slots, 2 * have, 1024)
@@ -510,13 +527,30 @@ class PartitionState:
         return Resolved(schema, tuple(self._folded[i] for i in numbers.tolist()), which.reshape(-1), row)
 
     def listing(self) -> dict[str, dict[str, Any]]:
-        """Every live key with its tags (merged over the puts that wrote it, in order)."""
+        """Every live key with its tags (merged over the puts that wrote it, in order), in the order of
+        their birth puts."""
         return merged_tags(((slots, self._folded[n].tags or ()) for n, slots in self._tagged), self.rows)
 
-    def garbage_after_delete(self, doomed: Iterable[str]) -> tuple[list[PutIndex], bool]:
+    def describe(self, keys: Sequence[str]) -> list[tuple[frozenset[str], dict[str, Any]] | None]:
+        """Per key of ``keys``: the fields its row holds and its merged tags, or None where it is not a
+        live key. From the folded state alone: no field read, no pass over the other rows."""
+        return described(
+            lookup(self.rows, keys),
+            {name: put_no for name, (put_no, _) in self._newest.items()},
+            ((slots, self._folded[n].tags) for n, slots in self._tagged),
+        )
+
+    def garbage_after_delete(self, doomed: Iterable[str]) -> tuple[list[PutIndex], bool, list[PutIndex]]:
         """Plan a ``kv_clear(keys)``: the puts and tombstones nothing reads once ``doomed`` are gone,
-        and whether a tombstone for ``doomed`` is still needed (some surviving put holds one of them).
-        A put stays live while it holds the newest value of a field, or tags, of a surviving row.
+        whether a tombstone for ``doomed`` is still needed (some surviving put holds one of them), and
+        the puts among that garbage whose :func:`birth_marker` the clear must write before removing them.
+
+        A put stays live while it holds the newest value of a field, or tags, of a surviving row. A
+        surviving row's birth put is needed too (it keeps a tag-only row, which may have no tags, and
+        the partition's listing order for every reader that folds the puts again), but only as an
+        index: one that holds data objects and nothing else a survivor reads is collected, replaced
+        by its birth marker (its keys, no field, no data, folded in its place), so a row rewritten
+        in full does not keep the bytes of its first put.
         """
         gone = set(doomed)
         rows = self.rows
@@ -535,9 +569,18 @@ class PartitionState:
                 tagged = np.fromiter(map(bool, put_tags), bool, len(put_tags))
                 if (alive[slots] & tagged).any():
                     numbers.add(number)
+        reborn: list[PutIndex] = []  # birth puts needed only as an index: replaced by a marker
+        for number in np.unique(self._born[survivors]).tolist():
+            if number not in numbers:
+                p = self._folded[number]
+                if p.packed or any(e.nbytes for e in p.fields.values()):
+                    reborn.append(p)
+                else:  # an index alone already (a tag-only put, a marker): kept as it is
+                    numbers.add(number)
         live = {self._folded[i].put_id for i in numbers if i != NONE}
         garbage: list[PutIndex] = []
-        live_puts = [self.puts[put_id] for put_id in live]
+        # the puts that hold keys once the clear is done (a marker holds the keys of its put, in its place)
+        live_puts = [self.puts[put_id] for put_id in live] + reborn
         for p in self.puts.values():
             if p.op == "put":
                 if p.put_id not in live:
@@ -547,4 +590,18 @@ class PartitionState:
             if not any(q.put_id < p.put_id and not keys.isdisjoint(q.keys) for q in live_puts):
                 garbage.append(p)
         need_tombstone = any(not gone.isdisjoint(q.keys) for q in live_puts)
-        return garbage, need_tombstone
+        return garbage, need_tombstone, reborn
+
+
+def birth_marker(p: PutIndex, writer: str) -> tuple[PutIndex, bytes]:
+    """The index object (parsed, and its body) that stands in for put ``p`` as its keys' birth put
+    once ``p`` is collected (see :meth:`PartitionState.garbage_after_delete`): ``p``'s keys, no field,
+    no tags, no data object. Its put id is ``p``'s followed by a fresh one of ``writer``: no put id
+    begins with another (a time of 19 digits, a writer name of one length), so it sorts right after
+    ``p`` and before every later put, and two clears
+    that replace ``p`` at once write two objects (never one over the other, which a reader might be
+    reading), the second of them a no-op to fold and collected by a later clear."""
+    put_id = f"{p.put_id}-{new_put_id(writer)}"
+    body = encode_index(p.keys, {}, None)
+    key = f"{p.head}i/{put_id}.{len(body)}"
+    return make_index(key, put_id, p.keys, {}, None), body

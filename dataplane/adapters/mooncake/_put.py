@@ -121,7 +121,7 @@ class Puts(PartitionCache):
         lines = None if listing is None else listing()
         part = self._part(partition_id)
         with part.lock:
-            if lines is not None:
+            if lines is not None and columns:  # (a tag-only put has no schema to check)
                 state = self._refresh(partition_id, part, lines, {}, deadline)
                 for name, col in columns.items():
                     known = state.schema.get(name) or part.pending.get(name, (None, 0))[0]

@@ -23,7 +23,9 @@ state (see :meth:`._get.Gets.begin_get`).
 
 from __future__ import annotations
 
+import builtins
 import time
+from collections.abc import Sequence
 
 from dataplane.adapters.mooncake._clear import Clears
 from dataplane.adapters.mooncake._get import Gets
@@ -31,6 +33,7 @@ from dataplane.adapters.mooncake._index import part_token, partition_of_token
 from dataplane.adapters.mooncake._partitions import HINT_KEY, READ_KEY
 from dataplane.adapters.mooncake._put import Puts
 from dataplane.client import Listing
+from dataplane.meta import RowInfo
 
 __all__ = ["HINT_KEY", "READ_KEY", "MooncakeStore"]
 
@@ -56,6 +59,19 @@ class MooncakeStore(Puts, Gets, Clears):
             if rows:
                 out[part_id] = rows
         return out
+
+    def describe(self, partition_id: str, keys: Sequence[str], *, timeout_s: float) -> builtins.list[RowInfo | None]:
+        """What each of ``keys`` holds (see :meth:`~dataplane.storage.KVStore.describe`), from the
+        partition's index objects: one listing of the master's keys (as a get of keys this client
+        does not know takes), the partition's index objects it has not read yet, and its folded
+        state. It reads no data object and folds no other partition."""
+        deadline = time.monotonic() + timeout_s
+        lines = self._listing(deadline)
+        part = self._part(partition_id)
+        with part.lock:
+            found = self._refresh(partition_id, part, lines, {}, deadline).describe(keys)
+        self._forget(partition_id, part)  # only where it holds nothing (no put ever listed)
+        return [None if x is None else RowInfo(*x) for x in found]
 
     def close(self) -> None:
         if self.deployment is not None and self.handle.shm is None:

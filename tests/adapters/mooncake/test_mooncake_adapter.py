@@ -837,13 +837,19 @@ class TestMooncakeAdapter:
 
     def test_clear_collects_superseded_objects(self, owner: StoreClient) -> None:
         pid = "gc"
-        owner.kv_batch_put(["a", "b"], {"x": torch.zeros(2, 4)}, partition_id=pid)
+        first = owner.kv_batch_put(["a", "b"], {"x": torch.zeros(2, 4)}, partition_id=pid)
         owner.kv_batch_put(["a", "b"], {"x": torch.ones(2, 4)}, partition_id=pid)  # supersedes the first put
         owner.kv_batch_put(["c"], {"x": torch.ones(1, 4)}, partition_id=pid)
         head = "dataplane/gc/"
         assert sum(k.startswith(head) for k in _all_keys(owner)) == 6  # 3 puts x (data + index)
         owner.kv_clear(["a"], partition_id=pid)  # first put collected; a tombstone for a (b still reads put 2)
-        assert sum(k.startswith(head) for k in _all_keys(owner)) == 5
+        (first_index,) = first.extra_info[HINT_KEY]
+        left = [k for k in _all_keys(owner) if k.startswith(head)]
+        # b was first put in the first put: its birth marker (an index object, no data) stands in for it
+        markers = [k for k in left if k.startswith(first_index.rsplit(".", 1)[0] + "-")]
+        assert len(markers) == 1 and "/i/" in markers[0] and first_index not in left
+        assert len(left) == 6  # puts 2 and 3 (data + index), the tombstone, the marker
+        assert list(owner.kv_list(pid)[pid]) == ["b", "c"]
         assert owner.kv_batch_get(["b", "c"], partition_id=pid, select_fields="x")["x"].eq(1).all()
         owner.kv_clear(["b", "c"], partition_id=pid)  # nothing left: every object goes
         assert not [k for k in _all_keys(owner) if k.startswith(head)]

@@ -20,6 +20,7 @@ from dataplane.adapters.mooncake._index import (
     ListedPuts,
     PartitionState,
     PutIndex,
+    birth_marker,
     data_key,
     data_keys,
     data_prefix,
@@ -221,15 +222,53 @@ def test_fold_rewrite_tombstone_tags_and_gc() -> None:
     assert res["adv"].whole is p3
     assert state.listing() == {"a": {"r": 1}, "b": {"r": 2, "v": 3}}
     # clearing "a" keeps p1 (b still reads t from it) and needs a tombstone for a
-    garbage, need = state.garbage_after_delete(["a"])
+    garbage, need, _ = state.garbage_after_delete(["a"])
     assert garbage == [] and need
     t = _del(["a"])
     state = state.refresh({p.put_id: p for p in (p1, p2, p3, t)})
     missing, _, _ = state.resolve(["a"], ["x"])
     assert missing == ["a"]
     # clearing "b" too: nothing is live, every put and the tombstone are garbage
-    garbage, need = state.garbage_after_delete(["b"])
+    garbage, need, _ = state.garbage_after_delete(["b"])
     assert {p.put_id for p in garbage} == {p1.put_id, p2.put_id, p3.put_id, t.put_id} and not need
+
+
+@pytest.mark.parametrize("version", [2, 3, 4])
+def test_a_tag_only_index_of_every_version_read_folds_to_rows_without_fields(version: int) -> None:
+    body = msgpack.unpackb(encode_index(["p", "q"], {}, [{"s": "pending"}, {}]), raw=False)
+    assert body["fields"] == {} and body["offsets"] == [] and "p" not in body  # no data object, not packed
+    body["v"] = version
+    pid = new_put_id("w")
+    key = f"{index_prefix('ns', 'p')}{pid}.0"
+    p = decode_index(key, pid, msgpack.packb(body))
+    assert p.op == "put" and p.keys == ("p", "q") and not p.fields and p.object_keys() == [key]
+    state = PartitionState.build([_put(["q"], {"x": DENSE}, [{"r": 1}]), p])  # a later put of a field of q
+    listed = state.listing()
+    assert listed == {"p": {"s": "pending"}, "q": {"r": 1}} and list(listed) == ["p", "q"]
+    assert state.describe(["p", "q"]) == [(frozenset(), {"s": "pending"}), (frozenset({"x"}), {"r": 1})]
+    assert state.resolve(["p", "q"], ["x"])[1] == {"x": ["p"]}
+
+
+def test_tag_only_rows_and_birth_markers_survive_gc_in_first_put_order() -> None:
+    a = _put(["k", "m"], {"x": DENSE})  # k and m first put here
+    t = _put(["s"], {}, [{}])  # a tag-only row without tags: only its put says it exists
+    b = _put(["k"], {"x": DENSE}, [{"r": 1}])  # k rewritten in full: a is only k's birth put now
+    state = PartitionState.build([a, t, b])
+    assert state.listing() == {"k": {"r": 1}, "m": {}, "s": {}} and list(state.rows) == ["k", "m", "s"]
+    assert state.describe(["s", "zz", "k"]) == [(frozenset(), {}), None, (frozenset({"x"}), {"r": 1})]
+    assert state.resolve(["s"], ["x"])[1] == {"x": ["s"]}
+    # clearing m: a goes (its data is read by no survivor), its birth marker stands in for it
+    garbage, need, reborn = state.garbage_after_delete(["m"])
+    assert reborn == [a] and {p.put_id for p in garbage} == {a.put_id} and need
+    marker, body = birth_marker(a, "w")
+    assert decode_index(marker.key, marker.put_id, body) == marker and a.put_id < marker.put_id < t.put_id
+    assert marker.object_keys() == [marker.key]
+    tomb = _del(["m"])
+    state = PartitionState.build([marker, t, b, tomb])
+    assert list(state.listing()) == ["k", "s"] and state.resolve(["k"], ["x"])[2]["x"].whole is b
+    # clearing k: the tag-only put stays (s's birth put, an index alone); everything else goes
+    garbage, need, reborn = state.garbage_after_delete(["k"])
+    assert {p.put_id for p in garbage} == {marker.put_id, b.put_id, tomb.put_id} and not need and not reborn
 
 
 def test_missing_fields_and_schema_race() -> None:
@@ -255,7 +294,7 @@ _ops = st.lists(
         st.tuples(
             st.just("put"),
             st.lists(st.sampled_from("abcde"), min_size=1, max_size=4, unique=True),
-            st.lists(st.sampled_from(["x", "y", "z"]), min_size=1, max_size=3, unique=True),
+            st.lists(st.sampled_from(["x", "y", "z"]), min_size=0, max_size=3, unique=True),  # none: tag-only
             st.booleans(),
         ),
         st.tuples(
@@ -272,15 +311,20 @@ _ops = st.lists(
 @given(ops=_ops)
 @settings(max_examples=300, suppress_health_check=list(HealthCheck))  # cheap examples
 def test_fold_and_gc_match_a_dict_model(ops: list[tuple[str, list[str], list[str], bool]]) -> None:
-    """Folding equals a plain model (rows, fields, merged tags); removing what a clear plans to
-    collect never changes a read or a listing."""
+    """Folding equals a plain model (rows in first-put order, fields, merged tags, tag-only rows);
+    removing what a clear plans to collect, once it wrote the birth markers it plans, never changes
+    a read, a listing or its order."""
     model: dict[str, dict[str, tuple[str, int]]] = {}
     tags: dict[str, dict[str, int]] = {}
     puts: dict[str, PutIndex] = {}
 
     def check(state: PartitionState) -> None:
-        assert set(state.rows) == set(model)
-        assert state.listing() == {k: tags.get(k, {}) for k in model}
+        assert list(state.rows) == list(model)  # first-put order
+        listed = state.listing()
+        assert listed == {k: tags.get(k, {}) for k in model} and list(listed) == list(model)
+        asked = [*"edcba", "zz"]
+        want = [(frozenset(model[k]), tags.get(k, {})) if k in model else None for k in asked]
+        assert state.describe(asked) == want
         keys = sorted(model)
         for f in ("x", "y", "z"):
             held = [k for k in keys if f in model[k]]
@@ -296,6 +340,7 @@ def test_fold_and_gc_match_a_dict_model(ops: list[tuple[str, list[str], list[str
 
     for op, keys, fields, tagged in ops:
         if op == "put":
+            tagged = tagged or not fields  # a put names fields, tags or both
             row_tags = [{"n": i, "p": len(puts)} if (i + len(puts)) % 3 else {} for i in range(len(keys))]
             p = _put(keys, dict.fromkeys(fields, DENSE), row_tags if tagged else None)
             puts[p.put_id] = p
@@ -305,10 +350,16 @@ def test_fold_and_gc_match_a_dict_model(ops: list[tuple[str, list[str], list[str
                     tags.setdefault(k, {}).update(row_tags[i])
             continue
         state = PartitionState.build(puts.values())
-        garbage, need = state.garbage_after_delete(keys)
+        garbage, need, reborn = state.garbage_after_delete(keys)
         for k in keys:
             model.pop(k, None)
             tags.pop(k, None)
+        assert {p.put_id for p in reborn} <= {g.put_id for g in garbage}
+        for p in reborn:  # what the clear writes first
+            marker, _ = birth_marker(p, "w")
+            assert p.put_id < marker.put_id and not marker.fields and marker.keys == p.keys
+            assert all(q.put_id < p.put_id or marker.put_id < q.put_id for q in puts.values() if q is not p)
+            puts[marker.put_id] = marker
         for g in garbage:
             puts.pop(g.put_id)
         if need:

@@ -19,6 +19,7 @@ import torch
 import dataplane
 from dataplane._host.processes import pid_alive
 from dataplane.errors import BackendUnavailable, DataPlaneError, KeyNotFound
+from dataplane.meta import RowInfo
 from dataplane.store_client import StoreClient
 from dataplane.testing.churn import PARTITION, run_churn
 from dataplane.testing.strategies import bit_exact
@@ -128,6 +129,40 @@ def test_concurrent_writer_processes_share_a_partition(owner: StoreClient) -> No
     out = owner.kv_batch_get(merged, select_fields=["reward"])
     assert out["reward"].shape == (48,)
     owner.kv_clear(partition_id="shared")
+
+
+def _tagger(url: str, pid: str, conn: Connection) -> None:
+    """Join, mark rows with tags alone (a new one and one the owner wrote), clear one row, send what
+    ``kv_describe`` shows here."""
+    with dataplane.connect(url) as c:
+        c.kv_batch_put(["new", "a"], None, partition_id=pid, tags=[{"s": "pending"}, {"s": "done"}])
+        c.kv_clear(["b"], partition_id=pid)
+        conn.send(c.kv_describe(["a", "b", "c", "new"], partition_id=pid))
+
+
+def test_describe_and_list_see_another_process_tag_only_puts_and_clears(owner: StoreClient) -> None:
+    """A process that described a partition sees another's tag-only puts and clears on its next
+    describe, and lists in first-put order, though the clear collected the put ``a`` was first put in
+    (``a`` was rewritten in full) and left a birth marker in its place."""
+    url, pid = owner.store.join_url, "described"  # type: ignore[attr-defined]
+    owner.kv_batch_put(["a", "b"], {"x": torch.arange(2)}, partition_id=pid)
+    owner.kv_batch_put(["c"], {"x": torch.arange(1)}, partition_id=pid)
+    owner.kv_batch_put(["a"], {"x": torch.ones(1, dtype=torch.int64)}, partition_id=pid, tags=[{"r": 1}])
+    assert list(owner.kv_describe(["a", "b", "c", "new"], partition_id=pid)) == ["a", "b", "c"]  # now cached here
+    theirs = _run(_tagger, url, pid)
+    ours = owner.kv_describe(["a", "b", "c", "new"], partition_id=pid)
+    assert (
+        ours
+        == theirs
+        == {
+            "a": RowInfo(frozenset({"x"}), {"r": 1, "s": "done"}),
+            "c": RowInfo(frozenset({"x"}), {}),
+            "new": RowInfo(frozenset(), {"s": "pending"}),
+        }
+    )
+    assert list(owner.kv_list(pid)[pid]) == ["a", "c", "new"]
+    assert owner.kv_batch_get(["a", "c"], partition_id=pid, select_fields="x")["x"].tolist() == [1, 0]
+    owner.kv_clear(partition_id=pid)
 
 
 CHURN_SECONDS = 5.0  # per case in CI; test_churn_soak runs the same for SOAK_CHURN_SECONDS
