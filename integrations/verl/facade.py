@@ -41,6 +41,7 @@ from integrations.verl import checkpoint
 from integrations.verl.metas import BatchMeta, KVBatchMeta
 
 __all__ = [
+    "PICKLE_ENV",
     "STRICT_ENV",
     "URL_ENV",
     "BatchMeta",
@@ -69,6 +70,7 @@ log = logging.getLogger(__name__)
 
 URL_ENV = "DATAPLANE_VERL_URL"  # the deployment every process of the job joins
 STRICT_ENV = "DATAPLANE_VERL_STRICT"  # "1": raise where TransferQueue drops
+PICKLE_ENV = "DATAPLANE_VERL_PICKLE_FIELDS"  # object fields every process reads and writes with pickle
 KV_NAMESPACE = "dataplane_verl"  # Ray internal KV: where workers find the URL when their env lacks it
 
 
@@ -121,12 +123,16 @@ def _strict() -> bool:
     return os.environ.get(STRICT_ENV, "0") == "1"
 
 
+def _pickle_fields() -> frozenset[str]:
+    return frozenset(f for f in os.environ.get(PICKLE_ENV, "").split(",") if f)
+
+
 def _dp() -> DataPlaneClient:
     """This process's client (connected on first use)."""
     global _client
     with _lock:
         if _client is None or getattr(_client, "closed", False):
-            _client = dataplane.connect(_url())
+            _client = dataplane.connect(_url(), pickle_fields=_pickle_fields())
         return _client
 
 
@@ -160,7 +166,13 @@ def get_metrics_endpoint() -> str | None:
 
 # -- conversions ------------------------------------------------------------------------------------
 def _plain(v: Any) -> Any:
-    """A tag value as the primitives dataplane's tags hold (numpy and torch scalars unwrapped)."""
+    """A value as the primitives msgpack holds: numpy arrays become lists, numpy and 0-d torch
+    scalars Python numbers, tuples lists (what verl's dataloader columns hold: ``raw_prompt`` is a
+    numpy array of message dicts). Anything else is left for the codec to accept or refuse."""
+    if isinstance(v, (str, int, float, bool)) or v is None:
+        return v
+    if isinstance(v, np.ndarray):
+        return [_plain(x) for x in v.tolist()] if v.dtype == object else v.tolist()
     if isinstance(v, np.generic):
         return v.item()
     if isinstance(v, torch.Tensor) and v.dim() == 0:
@@ -168,8 +180,13 @@ def _plain(v: Any) -> Any:
     if isinstance(v, (list, tuple)):
         return [_plain(x) for x in v]
     if isinstance(v, dict):
-        return {str(k): _plain(x) for k, x in v.items()}
+        return {(k if isinstance(k, str) else str(k)): _plain(x) for k, x in v.items()}
     return v
+
+
+def _objects(name: str, values: list[Any]) -> list[Any]:
+    """An object column's rows as plain values, except in fields this job pickles."""
+    return values if name in _pickle_fields() else [_plain(x) for x in values]
 
 
 def _tags(tags: Sequence[Mapping[str, Any]] | None, n: int) -> list[dict[str, Any]] | None:
@@ -191,9 +208,9 @@ def _as_jagged(t: torch.Tensor) -> torch.Tensor:
 
 def _column(name: str, v: Any, n: int) -> Any:
     if isinstance(v, NonTensorStack):
-        return list(v.tolist())
+        return _objects(name, list(v.tolist()))
     if isinstance(v, NonTensorData):  # one batch-level value: every row gets it
-        return [v.data] * n
+        return _objects(name, [v.data] * n)
     if isinstance(v, torch.Tensor):
         if v.is_nested:
             if v.layout == torch.jagged:
@@ -205,9 +222,9 @@ def _column(name: str, v: Any, n: int) -> Any:
             raise ValueError(f"field {name!r} is a 0-d tensor; give one value per row ([B])")
         return v
     if isinstance(v, (list, tuple)):
-        return list(v)
+        return _objects(name, list(v))
     if isinstance(v, np.ndarray):
-        return list(v) if v.dtype == object else torch.from_numpy(v)
+        return _objects(name, list(v)) if v.dtype == object else torch.from_numpy(v)
     raise ValueError(f"field {name!r}: unsupported type {type(v).__name__}")
 
 

@@ -7,6 +7,7 @@ import importlib.machinery
 import logging
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ SHIM_DIR = str(Path(__file__).resolve().parent / "shim")
 DEFAULT_URL = "mooncake://local"
 
 _owner: DataPlaneClient | None = None
+_ENV = ("PYTHONPATH", facade.URL_ENV, facade.STRICT_ENV, facade.PICKLE_ENV)
 
 
 def real_transfer_queue_path() -> list[str]:
@@ -49,10 +51,12 @@ def env_vars() -> dict[str, str]:
     driver's environment)."""
     if _owner is None:
         raise RuntimeError("call integrations.verl.install(url) first")
-    return {k: os.environ[k] for k in ("PYTHONPATH", facade.URL_ENV, facade.STRICT_ENV)}
+    return {k: os.environ[k] for k in _ENV}
 
 
-def install(url: str | None = None, *, strict: bool = False, **options: Any) -> dict[str, str]:
+def install(
+    url: str | None = None, *, strict: bool = False, pickle_fields: Sequence[str] = (), **options: Any
+) -> dict[str, str]:
     """Back verl's ``transfer_queue`` calls with a dataplane deployment, in this process and in every
     process it starts afterwards (Ray's workers included).
 
@@ -68,6 +72,10 @@ def install(url: str | None = None, *, strict: bool = False, **options: Any) -> 
             workers are other processes.
         strict: raise :class:`~integrations.verl.facade.MissingRows` where TransferQueue silently
             drops missing keys and fields (stock verl relies on the dropping; see docs/verl.md).
+        pickle_fields: object fields whose rows may hold what msgpack cannot (tensors in verl's
+            ``multi_modal_inputs`` of a multimodal run): every process of the job reads and writes
+            them with pickle. Unpickling runs code from whoever wrote the rows: a trusted job only.
+            Without it, numpy arrays and scalars in object rows are stored as lists and numbers.
         options: passed to ``dataplane.connect``.
 
     Returns:
@@ -98,12 +106,16 @@ def install(url: str | None = None, *, strict: bool = False, **options: Any) -> 
         )
     url = url or DEFAULT_URL
     # first, so that a Ray the connect starts (tq://) gives its workers the shim
-    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", facade.URL_ENV, facade.STRICT_ENV)}
+    saved = {k: os.environ.get(k) for k in _ENV}
+    bad = [f for f in pickle_fields if not isinstance(f, str) or not f or "," in f]
+    if bad or isinstance(pickle_fields, str):
+        raise InvalidArgument(f"pickle_fields must be a list of field names, got {pickle_fields!r}")
     os.environ[facade.STRICT_ENV] = "1" if strict else "0"
+    os.environ[facade.PICKLE_ENV] = ",".join(pickle_fields)
     os.environ["PYTHONPATH"] = os.pathsep.join([SHIM_DIR, *[p for p in [saved["PYTHONPATH"]] if p]])
     sys.path.insert(0, SHIM_DIR)
     try:
-        owner = dataplane.connect(url, **options)
+        owner = dataplane.connect(url, pickle_fields=pickle_fields, **options)
     except BaseException:
         _restore(saved)
         raise
@@ -161,6 +173,7 @@ def uninstall() -> None:
                 "PYTHONPATH": os.pathsep.join(rest) or None,
                 facade.URL_ENV: None,
                 facade.STRICT_ENV: None,
+                facade.PICKLE_ENV: None,
             }
         )
         mod = sys.modules.get("transfer_queue")
