@@ -121,7 +121,9 @@ def _no_fields(fields: object, n: int) -> bool:
     """Whether a put names no field (None, an empty dict, a TensorDict without keys of ``n`` rows)."""
     if fields is None:
         return True
-    if isinstance(fields, TensorDictBase) and not fields.keys():
+    if isinstance(fields, TensorDictBase):
+        if fields.keys():
+            return False
         if fields.batch_dims < 1 or fields.batch_size[0] != n:
             raise InvalidArgument(
                 f"TensorDict batch_size {list(fields.batch_size)} does not match {n} keys; "

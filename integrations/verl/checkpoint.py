@@ -66,6 +66,16 @@ def save(client: DataPlaneClient, directory: str | os.PathLike[str], *, metadata
 
     Returns the directory. ``metadata`` (JSON-serialisable) is kept in the manifest as
     ``user_metadata``.
+
+    >>> import tempfile, torch, dataplane
+    >>> from integrations.verl import checkpoint
+    >>> folder = tempfile.mkdtemp()
+    >>> with dataplane.connect() as old:
+    ...     _ = old.kv_batch_put(["a", "b"], {"r": torch.tensor([1.0, 2.0])}, partition_id="train", tags=[{"s": 1}, {}])
+    ...     _ = checkpoint.save(old, f"{folder}/ckpt", metadata={"step": 3})
+    >>> with dataplane.connect() as new:  # another store: the saved rows come back
+    ...     checkpoint.load(new, f"{folder}/ckpt"), new.kv_list(), new.kv_batch_get(["b"], select_fields="r", partition_id="train")["r"]
+    ({'step': 3}, {'train': {'a': {'s': 1}, 'b': {}}}, tensor([2.]))
     """
     final = Path(directory)
     tmp, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")

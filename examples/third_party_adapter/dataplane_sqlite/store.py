@@ -8,6 +8,7 @@ between processes that share the file. ``sqlite://`` (no path) is a private in-m
 
 from __future__ import annotations
 
+import builtins
 import json
 import sqlite3
 import threading
@@ -20,6 +21,7 @@ from urllib.parse import parse_qs, urlparse
 import numpy as np
 import torch
 
+from dataplane import RowInfo
 from dataplane.errors import BackendUnavailable, CapacityExceeded, DataPlaneTimeout, InvalidArgument
 from dataplane.storage import (
     Capabilities,
@@ -152,8 +154,8 @@ class SqliteStore(KVStore):
                 query = f"SELECT key, tags FROM keys WHERE part = ? AND key IN ({_marks(len(chunk))})"
                 old.update((k, json.loads(t)) for k, t in db.execute(query, (partition_id, *chunk)))
             new_tags = [{**old.get(k, {}), **(tags[i] if tags is not None else {})} for i, k in enumerate(keys)]
-            db.executemany(
-                "INSERT OR REPLACE INTO keys VALUES (?, ?, ?)",
+            db.executemany(  # an upsert keeps a key's rowid: the listing's first-put order
+                "INSERT INTO keys VALUES (?, ?, ?) ON CONFLICT (part, key) DO UPDATE SET tags = excluded.tags",
                 [(partition_id, k, json.dumps(t)) for k, t in zip(keys, new_tags, strict=True)],
             )
             db.executemany("INSERT OR REPLACE INTO cells VALUES (?, ?, ?, ?, ?)", cells)
@@ -215,9 +217,21 @@ class SqliteStore(KVStore):
         out: Listing = {}
         with self._transaction(timeout_s, write=False) as db:
             where, args = ("WHERE part = ?", (partition_id,)) if partition_id is not None else ("", ())
-            for part, key, tags in db.execute(f"SELECT part, key, tags FROM keys {where}", args):
+            for part, key, tags in db.execute(f"SELECT part, key, tags FROM keys {where} ORDER BY rowid", args):
                 out.setdefault(part, {})[key] = json.loads(tags)
         return out
+
+    def describe(self, partition_id: str, keys: Sequence[str], *, timeout_s: float) -> builtins.list[RowInfo | None]:
+        tags: dict[str, dict[str, Any]] = {}
+        fields: dict[str, set[str]] = {}
+        with self._transaction(timeout_s, write=False) as db:  # one consistent snapshot
+            for chunk in _chunks(keys):
+                marks, args = _marks(len(chunk)), (partition_id, *chunk)
+                query = f"SELECT key, tags FROM keys WHERE part = ? AND key IN ({marks})"
+                tags.update((k, json.loads(t)) for k, t in db.execute(query, args))
+                for k, f in db.execute(f"SELECT key, field FROM cells WHERE part = ? AND key IN ({marks})", args):
+                    fields.setdefault(k, set()).add(f)
+        return [RowInfo(frozenset(fields.get(k, ())), tags[k]) if k in tags else None for k in keys]
 
     def close(self) -> None:
         with self._lock:

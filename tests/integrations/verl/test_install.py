@@ -41,7 +41,12 @@ def test_processes_started_after_install_use_the_facade_and_checkpoints_outlive_
     url: str, tmp_path: Path
 ) -> None:
     out = _job(url, "serve", str(tmp_path))
-    assert out["facade"] and out["env"] == ["DATAPLANE_VERL_PICKLE_FIELDS", "DATAPLANE_VERL_STRICT", "DATAPLANE_VERL_URL", "PYTHONPATH"]
+    assert out["facade"] and out["env"] == [
+        "DATAPLANE_VERL_PICKLE_FIELDS",
+        "DATAPLANE_VERL_STRICT",
+        "DATAPLANE_VERL_URL",
+        "PYTHONPATH",
+    ]
     child = out["child"]
     assert child["facade"] and child["fields"] == ["responses", "rm_scores", "uid"]  # "missing" dropped
     assert child["uid"] == ["p0", "p1"] and child["responses"] == list(range(10))

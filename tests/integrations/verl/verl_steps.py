@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import math
+import os
+import re
 import sys
 import time
 import types
@@ -54,11 +55,14 @@ FIELDS = [
 
 
 def _plain(x: Any) -> Any:
-    """JSON-able, with random padding uids made comparable (``pad<hex>_...`` -> ``pad*_...``)."""
+    """JSON-able, with the random uid of padding rows made comparable (``pad<hex>...`` -> ``pad*...``)."""
+    import numpy as np
     import torch
 
-    if isinstance(x, str) and x.startswith("pad") and "_" in x:
-        return "pad*" + x[x.index("_") :]
+    if isinstance(x, str) and re.match(r"pad[0-9a-f]{32}", x):
+        return "pad*" + x[35:]
+    if isinstance(x, np.ndarray):
+        return _plain(x.tolist())
     if isinstance(x, dict):
         return {str(k): _plain(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
@@ -96,7 +100,6 @@ class Rollout:
     def __init__(self) -> None:
         import transfer_queue as tq
         from omegaconf import OmegaConf
-
         from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
         from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
 
@@ -174,10 +177,9 @@ def main(backend: str, out_path: str) -> None:
     times["start"] = time.perf_counter() - t0
 
     import numpy as np
+    import verl.utils.tensordict_utils as tu
     from omegaconf import OmegaConf
     from tensordict import TensorDict
-
-    import verl.utils.tensordict_utils as tu
     from verl.protocol import BatchData
     from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
     from verl.trainer.ppo.v1.trainer_base import PPOTrainer
@@ -201,7 +203,9 @@ def main(backend: str, out_path: str) -> None:
 
     class Manager:
         def generate_sequences(self, prompts: Any) -> None:
-            result["rollout_actor_facade"] = ray.get(actor.generate.remote(prompts), timeout=float(os.environ.get("VERL_STEPS_TIMEOUT", 300)))
+            result["rollout_actor_facade"] = ray.get(
+                actor.generate.remote(prompts), timeout=float(os.environ.get("VERL_STEPS_TIMEOUT", 300))
+            )
 
     trainer = types.SimpleNamespace(global_steps=1, trainer_mode="sync", agent_loop_manager=Manager())
     PPOTrainer._submit_batch_to_rollout(trainer, batch)
@@ -212,9 +216,8 @@ def main(backend: str, out_path: str) -> None:
     class WorkerGroup:
         """Two data-parallel ranks run in-process through verl's own dispatch helpers."""
 
-        _dispatch_info = {"actor": list(range(DP))}
-
         def __init__(self) -> None:
+            self._dispatch_info = {"actor": list(range(DP))}  # what _balance_batch asks the group
             self.calls: list[Any] = []
 
         @staticmethod
