@@ -59,7 +59,7 @@ def _comparable(result: dict[str, Any]) -> dict[str, Any]:
     does not, docs/verl.md)."""
     out = {k: v for k, v in result.items() if k not in ("backend", "facade", "rollout_actor_facade", "seconds")}
     for k in ("listing_after_rollout", "listing_before_clear", "listing_after_clear"):
-        out[k] = {p: rows for p, rows in out[k].items() if rows}
+        out[k] = {p: list(rows.items()) for p, rows in out[k].items() if rows}  # key order compared too
     return out
 
 
@@ -93,7 +93,9 @@ def test_verl_runs_unmodified_on_the_facade_and_sees_what_transfer_queue_gives(t
     assert all(tag["status"] == "finished" for tag in listing.values() if tag.get("is_prompt"))
     step = real["step_meta"]
     assert len(step["keys"]) == 8 and sorted(step["keys"])[:2] == ["pad*_0_0", "pad*_1_0"]  # 6 rows + 2 padding
-    assert step["fields"] == ["advantages", "returns"] and all("min_global_steps" in t for t in step["tags"])
+    assert step["fields"] == sorted(step["fields"]) and all("min_global_steps" in t for t in step["tags"])
+    assert {"advantages", "returns", "old_log_probs", "ref_log_prob", "responses"} <= set(step["fields"])
+    assert "values" not in step["fields"]  # the fields every row holds after the advantage put
     assert [c[0] for c in real["worker_calls"]] == ["compute_log_prob", "compute_log_prob", "update_actor"]
     assert real["worker_calls"][-1][2] == ["advantages", "old_log_probs"]
     u0 = real["rows"]["u0_0_0"]

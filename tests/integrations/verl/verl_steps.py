@@ -64,7 +64,7 @@ def _plain(x: Any) -> Any:
     if isinstance(x, np.ndarray):
         return _plain(x.tolist())
     if isinstance(x, dict):
-        return {str(k): _plain(v) for k, v in x.items()}
+        return {_plain(str(k)): _plain(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
         return [_plain(v) for v in x]
     if isinstance(x, torch.Tensor):
@@ -126,13 +126,14 @@ class Rollout:
         worker.reward_loop_worker_handles = None  # the fake loop sets reward_score: no reward call
         worker.distillation_enabled = False
         worker.background_tasks = set()
-        done: dict[tuple[str, int], asyncio.Event] = {}
+        done: dict[int, asyncio.Event] = {}  # per trajectory, in (prompt, session) order
 
         async def fake_run_agent_loop(self: Any, sampling_params: Any, trajectory: Any, **kwargs: Any) -> None:
             uid, sid = kwargs["uid"], kwargs["session_id"]
-            if sid:  # sessions finish in order: the puts (and so the listing) have one order
-                await done.setdefault((uid, sid - 1), asyncio.Event()).wait()
             p = int(uid[1:])
+            turn = p * N_SESSIONS + sid
+            if turn:  # trajectories finish one after another: the puts (so the listing) have one order
+                await done.setdefault(turn - 1, asyncio.Event()).wait()
             prompt_ids = [11, 12, 13, 14][: 2 + p % 3]
             resp_len = 3 + sid + p  # a dense [1, L] put per session, L varying
             output = AgentLoopOutput(
@@ -146,8 +147,8 @@ class Rollout:
             )
             try:
                 await self._agent_loop_postprocess(output, trajectory["validate"], **kwargs)
-            finally:  # a failed put fails its prompt (verl's own handling), not the next session
-                done.setdefault((uid, sid), asyncio.Event()).set()
+            finally:  # a failed put fails its prompt (verl's own handling), not the next trajectory
+                done.setdefault(turn, asyncio.Event()).set()
 
         worker._run_agent_loop = types.MethodType(fake_run_agent_loop, worker)
         self.worker = worker
