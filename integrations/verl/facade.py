@@ -273,14 +273,36 @@ def kv_batch_put(
     client = _dp()
     columns = None if fields is None else _columns(fields, len(keys))
     client.kv_batch_put(keys, columns or None, partition_id=partition_id, tags=_tags(tags, len(keys)))
-    infos = client.kv_describe(keys, partition_id=partition_id)
-    return KVBatchMeta(
-        keys=keys,
-        tags=[infos[k].tags if k in infos else {} for k in keys],
-        partition_id=partition_id,
-        fields=sorted(_shared(infos)),
-        extra_info={},
-    )
+    return _StoredMeta(keys, partition_id)
+
+
+class _StoredMeta(KVBatchMeta):
+    """What a put returns: its ``tags`` (the rows' merged stored tags) and ``fields`` (those every
+    row holds, sorted) are read from the store when first used. verl uses them after two of its
+    puts a step and never after the agent loop's one-row puts and status flips, which so cost no
+    second round trip. Pickled or copied, it is a plain :class:`KVBatchMeta`."""
+
+    def __init__(
+        self, keys: list[str], partition_id: str
+    ) -> None:  # no super().__init__: tags and fields stay unset until used
+        self.keys = keys
+        self.partition_id = partition_id
+        self.extra_info = {}
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in ("tags", "fields"):
+            raise AttributeError(name)
+        assert self.partition_id is not None
+        infos = _dp().kv_describe(self.keys, partition_id=self.partition_id)
+        self.tags = [infos[k].tags if k in infos else {} for k in self.keys]
+        self.fields = sorted(_shared(infos))
+        return getattr(self, name)
+
+    def __reduce__(self) -> Any:
+        return (KVBatchMeta, (self.keys, self.tags, self.partition_id, self.fields, self.extra_info))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> KVBatchMeta:
+        return KVBatchMeta(self.keys, self.tags, self.partition_id, self.fields, self.extra_info)
 
 
 def kv_put(

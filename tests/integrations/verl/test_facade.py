@@ -8,7 +8,9 @@ deployments, driven by verl's own code, are in ``test_verl_on_facade.py``.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -72,6 +74,8 @@ def test_put_returns_merged_stored_tags_and_the_fields_every_row_holds(store: da
     assert meta.tags == [{"min_global_steps": 2, "seq_len": 4}, {"min_global_steps": 1}]
     assert meta.fields == ["y"]  # "x" is held by one row only
     assert meta.extra_info == {}
+    plain = pickle.loads(pickle.dumps(meta))  # as verl ships it to its workers
+    assert type(plain) is KVBatchMeta and plain == meta and copy.deepcopy(meta) == meta
 
 
 def test_gets_drop_missing_keys_and_fields_or_raise_as_transfer_queue(
