@@ -338,6 +338,27 @@ def test_rl_step_benchmark_times_every_contender_and_phase(tmp_path: Path) -> No
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.tq
+@pytest.mark.mooncake
+@pytest.mark.soak  # ~40 s (three processes, two TransferQueues); test_verl_on_facade.py covers the facade in CI
+def test_verl_step_benchmark_times_every_phase_of_every_contender(tmp_path: Path) -> None:
+    """``--quick``: TransferQueue and the facade on both backends, each in a process of its own; the
+    step checks every read against what it wrote (raising otherwise)."""
+    from benchmarks.verl_step import CONTENDERS, PHASES
+
+    out = tmp_path / "verl.json"
+    stdout = _run("verl_step", "--quick", "--json", str(out))
+    report = json.loads(out.read_text())
+    assert [c["name"] for c in report["contenders"]] == list(CONTENDERS)
+    for c in report["contenders"]:
+        assert c["facade"] == (c["name"] != "transferqueue") and c["trajectories"] == 8
+        assert set(c["phases"]) == set(PHASES) and min(c["phases"].values()) >= 0 and c["step_seconds"] > 0
+    md = out.with_suffix(".md").read_text()
+    assert "| transferqueue |" in md and "facade on `mooncake://local`" in md and "wrote" in stdout
+
+
+@pytest.mark.slow
 def test_many_rows_benchmark_times_every_step_and_checks_its_reads(tmp_path: Path) -> None:
     """The many-rows benchmark checks its gets and listing against what was put (raising inside)."""
     from benchmarks.many_rows import STEPS
