@@ -8,7 +8,7 @@ real TransferQueue, the facade on ``mooncake://local`` and the facade on ``tq://
 Everything they observed -- listings, metas, every row's fields, the step's metrics -- must be equal.
 
 verl is not a dependency of dataplane: ``bash scripts/install_verl_test_env.sh`` puts it in
-``.verl-site/`` (CI does), where these tests find it.
+``.verl-site/`` (from PyPI, beside the environment), where this test finds it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ ROOT = Path(__file__).resolve().parents[3]
 STEPS = Path(__file__).with_name("verl_steps.py")
 SITE = Path(os.environ.get("DATAPLANE_VERL_SITE", ROOT / ".verl-site"))
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.tq, pytest.mark.mooncake]
+# soak: three processes with Ray and verl at once take 90 s alone and 145 s beside CI's other worker,
+# slowing its tests as much; run it (DATAPLANE_SOAK=1 or -m soak) before closing a change to the facade
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.tq, pytest.mark.mooncake, pytest.mark.soak]
 
 
 def _verl_path() -> list[str]:
