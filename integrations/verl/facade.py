@@ -348,7 +348,7 @@ def kv_batch_get(
     keys = [keys] if isinstance(keys, str) else list(keys)
     wanted = [select_fields] if isinstance(select_fields, str) else select_fields
     client = _dp()
-    if wanted is not None:  # the common case: everything there, one round trip
+    if wanted:  # the common case: everything there, one round trip
         try:
             got = client.kv_batch_get(keys, select_fields=list(wanted), partition_id=partition_id)
             return _tq_form(got, wanted, len(keys))

@@ -7,7 +7,8 @@ Actions:
                       and reads them and writes one back; save a checkpoint, stop the deployment,
                       start another and load it; print a JSON summary
     child             (started by ``serve``) the child: it only has the environment it inherited
-    refuse            ``import transfer_queue`` (the real one) first: install must refuse
+    refuse            ``import transfer_queue`` (the real one) first: install must refuse (``serve``
+                      ends with it, after its uninstall)
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def serve(url: str, tmpdir: str) -> dict[str, Any]:
         tq2.kv_batch_put(keys=["x"], partition_id="t", fields=TensorDict({}, [1]), tags=[{}]), tq2.KVBatchMeta
     )
     iv.uninstall()
+    out["refused"] = refuse(url)["refused"]  # now the real TransferQueue is importable again
     return out
 
 
@@ -106,7 +108,11 @@ def child() -> dict[str, Any]:
 
 
 def refuse(url: str) -> dict[str, Any]:
-    import transfer_queue  # noqa: F401 - the real one, imported before install
+    """``import transfer_queue`` (the real one), then ``install``: it must refuse."""
+    import transfer_queue
+
+    if getattr(transfer_queue, "FACADE", False):
+        raise AssertionError("transfer_queue is still the facade after uninstall()")
 
     import integrations.verl as iv
 

@@ -89,8 +89,9 @@ def test_gets_drop_missing_keys_and_fields_or_raise_as_transfer_queue(
     assert "not found" in caplog.text and "dropped" in caplog.text
     assert list(tq.kv_batch_get(keys=["a", "b"], partition_id="p").keys()) == ["x"]  # no select: shared fields
     assert list(tq.kv_batch_get(keys="a", partition_id="p").keys()) == ["x", "y"]
-    empty = tq.kv_batch_get(keys=["a", "b"], partition_id="p", select_fields=["y"])
-    assert empty.batch_size == torch.Size([0]) and not list(empty.keys())
+    for nothing in (["y"], []):  # every selected field dropped, or none selected
+        empty = tq.kv_batch_get(keys=["a", "b"], partition_id="p", select_fields=nothing)
+        assert empty.batch_size == torch.Size([0]) and not list(empty.keys())
     with pytest.raises(ValueError, match="not found"):
         tq.kv_batch_get(keys=["gone"], partition_id="p", select_fields="x")
     with pytest.raises(ValueError, match="not found"):
