@@ -341,7 +341,7 @@ def test_rl_step_benchmark_times_every_contender_and_phase(tmp_path: Path) -> No
 @pytest.mark.multiprocess
 @pytest.mark.tq
 @pytest.mark.mooncake
-@pytest.mark.soak  # ~40 s (three processes, two TransferQueues); CI covers the facade with test_install.py
+@pytest.mark.soak  # ~80 s (three processes, two TransferQueues); CI covers the facade with test_install.py
 def test_verl_step_benchmark_times_every_phase_of_every_contender(tmp_path: Path) -> None:
     """``--quick``: TransferQueue and the facade on both backends, each in a process of its own; the
     step checks every read against what it wrote (raising otherwise)."""
