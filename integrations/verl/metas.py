@@ -48,6 +48,17 @@ def _check_permutation(indexes: Sequence[int], n: int) -> list[int]:
     return idx
 
 
+def _merged_extra_info(infos: Iterable[dict[str, Any] | None]) -> dict[str, Any]:
+    """The union of the ``extra_info`` of metas concatenated; one name's values must be equal."""
+    merged: dict[str, Any] = {}
+    for info in infos:
+        for k, v in (info or {}).items():
+            if k in merged and not _same(merged[k], v):
+                raise ValueError(f"extra_info {k!r} differs between the metas concatenated")
+            merged.setdefault(k, v)
+    return merged
+
+
 def _same(a: Any, b: Any) -> bool:
     try:
         return bool(a == b)
@@ -152,16 +163,12 @@ class KVBatchMeta:
         if not parts:
             return cls()
         first = parts[0]
-        merged: dict[str, Any] = {}
         for m in parts:
             if m.fields is not None and set(m.fields) != set(first.fields or ()):
                 raise ValueError(f"cannot concat metas with fields {first.fields} and {m.fields}")
             if m.partition_id != first.partition_id:
                 raise ValueError(f"cannot concat metas of partitions {first.partition_id!r} and {m.partition_id!r}")
-            for k, v in (m.extra_info or {}).items():
-                if k in merged and not _same(merged[k], v):
-                    raise ValueError(f"extra_info {k!r} differs between the metas concatenated")
-                merged.setdefault(k, v)
+        merged = _merged_extra_info(m.extra_info for m in parts)
         return cls(
             keys=[k for m in parts for k in m.keys],
             tags=[t for m in parts for t in m.tags],
@@ -294,12 +301,7 @@ class BatchMeta:
                     raise ValueError(
                         f"BatchMeta.concat: chunk {i} has fields {m.field_names}, chunk 0 {parts[0].field_names}"
                     )
-        merged: dict[str, Any] = {}
-        for m in parts:
-            for k, v in m.extra_info.items():
-                if k in merged and not _same(merged[k], v):
-                    raise ValueError(f"extra_info {k!r} differs between the metas concatenated")
-                merged.setdefault(k, v)
+        merged = _merged_extra_info(m.extra_info for m in parts)
         return cls(
             global_indexes=[g for m in parts for g in m.global_indexes],
             partition_ids=[p for m in parts for p in m.partition_ids],
