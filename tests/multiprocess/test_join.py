@@ -52,8 +52,10 @@ def no_url_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 @pytest.mark.parametrize(
     "url",
     [
-        pytest.param("mooncake://local", marks=pytest.mark.mooncake),
-        # soak: a Ray and a TransferQueue of its own cost ~50 s of CI; the tq:// multi-process tests cover the path
+        # soak (both): the script's processes cost CI ~40 s on mooncake:// and ~50 s on tq:// (a Ray and a
+        # TransferQueue of its own); test_mooncake_url_env_and_deployment_mismatch and the tq:// multi-process
+        # tests cover joining by URL in CI
+        pytest.param("mooncake://local", marks=[pytest.mark.mooncake, pytest.mark.soak]),
         pytest.param("tq://?backend=simple", marks=[pytest.mark.tq, pytest.mark.soak]),
     ],
 )

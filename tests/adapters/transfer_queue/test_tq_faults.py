@@ -76,6 +76,8 @@ def _timed(fn: Callable[[], Any]) -> tuple[BaseException | None, float]:
     return err, took
 
 
+@pytest.mark.soak  # 35-45 s of CI (a storage unit and a controller killed, each a bounded wait); the
+# tq-mooncake fault test below keeps the typed-error paths in CI
 def test_simple_capacity_dead_unit_dead_controller_teardown(ray_cluster: None) -> None:
     import ray
 
