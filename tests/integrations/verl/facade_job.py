@@ -36,13 +36,22 @@ def _rows() -> Any:
 
 def serve(url: str, tmpdir: str) -> dict[str, Any]:
     import integrations.verl as iv
+    from dataplane import InvalidArgument
 
+    try:
+        iv.install("memory://")  # a store of one process: refused, and nothing changed
+    except InvalidArgument as e:
+        out_memory = str(e)
+    else:
+        raise AssertionError("install('memory://') was accepted")
+    if iv.installed_url() is not None or any(k.startswith("DATAPLANE_VERL_") for k in os.environ):
+        raise AssertionError("a refused install left its environment behind")
     env = iv.install(url)
     import torch
     import transfer_queue as tq
     from tensordict import TensorDict
 
-    out: dict[str, Any] = {"facade": bool(getattr(tq, "FACADE", False)), "env": sorted(env)}
+    out: dict[str, Any] = {"facade": bool(getattr(tq, "FACADE", False)), "env": sorted(env), "memory": out_memory}
     tq.kv_batch_put(keys=["p0", "p1"], partition_id="train", tags=[{"is_prompt": True, "status": "pending"}] * 2)
     tq.kv_batch_put(keys=["p0_0", "p1_0"], partition_id="train", fields=_rows(), tags=[{"seq_len": 5}] * 2)
     child = subprocess.run(

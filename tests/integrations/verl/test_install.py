@@ -47,6 +47,7 @@ def test_processes_started_after_install_use_the_facade_and_checkpoints_outlive_
         "DATAPLANE_VERL_URL",
         "PYTHONPATH",
     ]
+    assert "other processes" in out["memory"]  # memory:// refused first, leaving nothing behind
     child = out["child"]
     assert child["facade"] and child["fields"] == ["responses", "rm_scores", "uid"]  # "missing" dropped
     assert child["uid"] == ["p0", "p1"] and child["responses"] == list(range(10))
