@@ -27,7 +27,7 @@ import subprocess
 import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dataplane._host.processes import pid_alive
@@ -63,10 +63,13 @@ class Host:
 
 @dataclass(frozen=True, slots=True)
 class Listener:
-    """A listening TCP socket of a namespace: local ``address`` (``0.0.0.0``/``::`` for a wildcard) and ``port``."""
+    """A listening TCP socket of a namespace: local ``address`` (``0.0.0.0``/``::`` for a wildcard) and
+    ``port``; :meth:`Hosts.listening` also names the ``command`` line of the process that holds it
+    ("" when unknown; not part of equality)."""
 
     address: str
     port: int
+    command: str = field(default="", compare=False, repr=False)
 
     @property
     def wildcard(self) -> bool:
@@ -233,12 +236,14 @@ class Hosts:
         return proc.returncode
 
     def listening(self, host: Host) -> list[Listener]:
-        """Every listening TCP socket in ``host``'s namespace (IPv4 and IPv6)."""
-        out: list[Listener] = []
+        """Every listening TCP socket in ``host``'s namespace (IPv4 and IPv6), each with the command
+        line of the process of the namespace that holds it."""
+        found: list[tuple[Listener, int]] = []
         for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
             done = subprocess.run(self.argv(host, ["cat", table]), capture_output=True, text=True, timeout=10)
-            out += [listener for listener, _ in parse_tcp_listeners(done.stdout, v6=v6)]
-        return out
+            found += parse_tcp_listeners(done.stdout, v6=v6)
+        holders = _socket_holders(self._pids_in(host.name))
+        return [replace(listener, command=holders.get(inode, "")) for listener, inode in found]
 
     # -- teardown ----------------------------------------------------------------------------------
     def close(self) -> None:
@@ -301,6 +306,24 @@ def parse_tcp_listeners(table: str, *, v6: bool) -> list[tuple[Listener, int]]:
             continue
         hex_addr, hex_port = cols[1].split(":")
         out.append((Listener(_proc_address(hex_addr, v6), int(hex_port, 16)), int(cols[9])))
+    return out
+
+
+def _socket_holders(pids: Sequence[int]) -> dict[int, str]:
+    """Socket inode -> the command line of the process (of ``pids``) holding it."""
+    out: dict[int, str] = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:  # gone meanwhile
+            continue
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    out.setdefault(int(target[8:-1]), command)
     return out
 
 

@@ -1,8 +1,10 @@
 """A data-plane client run inside one "host" (network namespace) of the multi-host tests.
 
-    python host_client.py URL
+    python host_client.py [--defer] URL
 
-connects once, prints ``{"ready": true}``, then answers one JSON line per command line on stdin:
+connects once, prints ``{"ready": true}``, then answers one JSON line per command line on stdin.
+With ``--defer`` it imports what connecting to ``URL`` needs, then waits for a ``connect`` line first
+(a test starts it while the deployment is still coming up). The commands:
 
     write PARTITION TAG N      put N rows, keys TAG-0..N-1
     read PARTITION TAG N       read them back and check every byte
@@ -53,9 +55,14 @@ def serve(client: Any, op: str, partition: str, tag: str, n: str) -> dict[str, A
     return out
 
 
-def main(url: str) -> None:
+def main(args: list[str]) -> None:
     import dataplane
 
+    url = args[-1]
+    if args[0] == "--defer":
+        # the backend's packages import now, before the deployment is up
+        __import__("ray") if url.startswith("tq://") else __import__("mooncake.store")
+        sys.stdin.readline()
     with dataplane.connect(url) as client:
         print(json.dumps({"ready": True}), flush=True)
         for line in sys.stdin:
@@ -64,4 +71,4 @@ def main(url: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1:])

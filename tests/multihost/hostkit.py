@@ -51,10 +51,11 @@ def start_recipe(hosts: Hosts, host: Host, doc: str, name: str, log: Path, **var
 
 
 class HostClient:
-    """A ``host_client.py`` process in one host, connected to ``url``: one command at a time."""
+    """A ``host_client.py`` process in one host, connected to ``url``: one command at a time. With
+    ``defer=True`` it starts (imports) now and connects at :meth:`connect`."""
 
-    def __init__(self, hosts: Hosts, host: Host, url: str, **vars: str) -> None:
-        argv = [sys.executable, str(ROOT / "tests/multihost/host_client.py"), url]
+    def __init__(self, hosts: Hosts, host: Host, url: str, *, defer: bool = False, **vars: str) -> None:
+        argv = [sys.executable, str(ROOT / "tests/multihost/host_client.py"), *(["--defer"] if defer else []), url]
         self.proc = hosts.popen(
             host,
             argv,
@@ -64,6 +65,10 @@ class HostClient:
             stderr=subprocess.PIPE,
             text=True,
         )
+
+    def connect(self, timeout_s: float = 120.0) -> None:
+        """Connect a deferred client; raises unless it answers ready within ``timeout_s``."""
+        assert self.ask("connect", timeout_s=timeout_s)["ready"]
 
     def ask(self, *command: str, timeout_s: float = 90.0) -> dict[str, Any]:
         """Send ``command`` (none: wait for the ready line) and return the JSON answer."""
