@@ -158,6 +158,7 @@ def test_put_get_writes_its_report_where_it_says(
 @pytest.mark.slow
 @pytest.mark.mooncake
 @pytest.mark.multiprocess
+@pytest.mark.soak  # ~15 s of CI: reader processes are what mooncake_xproc and rl_step's trainers also do
 @pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake is not installed")
 def test_put_get_reader_processes_get_the_batch(tmp_path: Path) -> None:
     """``--readers N``: N spawned processes get each batch by its meta at once (in this process: no
@@ -208,6 +209,7 @@ def test_mooncake_xproc_contenders_are_bit_exact(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.mooncake
 @pytest.mark.multiprocess
+@pytest.mark.soak  # ~25 s of CI (writer and reader processes, ours and raw)
 @pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake is not installed")
 def test_concurrent_benchmark_reads_every_writer_back_bit_exact(tmp_path: Path) -> None:
     """Writers and readers in processes of their own: each reader reads its writer's batches bit-exact,

@@ -1,10 +1,11 @@
 """``benchmarks.rl_step --quick`` in this process, on the test process's Ray (``ray_cluster``): the
-driver funnel, ``mooncake://local`` and ``tq://?backend=simple``, every phase timed, what the trainers
-read checked against the rollout's rows inside the benchmark (which raises otherwise).
+driver funnel and ``mooncake://local``, every phase timed, what the trainers read checked against the
+rollout's rows inside the benchmark (which raises otherwise).
 
-The benchmark's own Ray start and a second TransferQueue round (``tq://?backend=mooncake``, measured
-beside a funnel of its own) are what this run leaves out to fit CI; the whole ``--quick`` command,
-every installed backend in a process of its own, is the soak test in ``test_docs_and_bench.py``.
+To fit CI this run leaves out the benchmark's own Ray start and the ``tq://`` backends (a
+TransferQueue deployment each; the step's code is the same for every backend); the whole ``--quick``
+command, every installed backend in a process of its own, is the soak test in
+``test_docs_and_bench.py``.
 """
 
 from __future__ import annotations
@@ -17,12 +18,11 @@ from typing import Any
 import pytest
 
 pytest.importorskip("ray", reason="needs Ray: pip install 'dataplane[tq]'")
-pytest.importorskip("transfer_queue", reason="needs TransferQueue: pip install 'dataplane[tq]'")
 pytest.importorskip("mooncake.store", reason="needs Mooncake: pip install 'dataplane[mooncake]'")
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.tq, pytest.mark.mooncake]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.tq, pytest.mark.mooncake]  # tq: Ray
 
-URLS = ["mooncake://local", "tq://?backend=simple"]
+URLS = ["mooncake://local"]
 
 
 def check_report(report: dict[str, Any], md: str, urls: list[str]) -> None:
@@ -46,7 +46,7 @@ def check_report(report: dict[str, Any], md: str, urls: list[str]) -> None:
     assert "| vs funnel |" in md and f"`{FUNNEL}`" in md
 
 
-def test_rl_step_quick_times_the_funnel_and_both_kinds_of_backend(
+def test_rl_step_quick_times_the_funnel_and_mooncake(
     ray_cluster: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from benchmarks import rl_step

@@ -165,7 +165,7 @@ def test_describe_and_list_see_another_process_tag_only_puts_and_clears(owner: S
     owner.kv_clear(partition_id=pid)
 
 
-CHURN_SECONDS = 5.0  # per case in CI; test_churn_soak runs the same for SOAK_CHURN_SECONDS
+CHURN_SECONDS = 3.0  # per case in CI; test_churn_soak runs the same for SOAK_CHURN_SECONDS
 SOAK_CHURN_SECONDS = 60.0
 
 
