@@ -2,7 +2,7 @@
 
     python host_client.py [--defer] URL
 
-connects once, prints ``{"ready": true}``, then answers one JSON line per command line on stdin.
+connects once, prints ``{"ready": true, "token": ...}`` (a Mooncake client's deployment token), then answers one JSON line per command line on stdin.
 With ``--defer`` it imports what connecting to ``URL`` needs, then waits for a ``connect`` line first
 (a test starts it while the deployment is still coming up). The commands:
 
@@ -64,7 +64,8 @@ def main(args: list[str]) -> None:
         __import__("ray") if url.startswith("tq://") else __import__("mooncake.store")
         sys.stdin.readline()
     with dataplane.connect(url) as client:
-        print(json.dumps({"ready": True}), flush=True)
+        token = getattr(getattr(client, "store", None), "deployment_token", None)  # mooncake:// only
+        print(json.dumps({"ready": True, "token": token}), flush=True)
         for line in sys.stdin:
             if line.strip():
                 print(json.dumps(serve(client, *line.split())), flush=True)

@@ -9,7 +9,9 @@ import re
 import select
 import subprocess
 import sys
+import tempfile
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -56,13 +58,17 @@ class HostClient:
 
     def __init__(self, hosts: Hosts, host: Host, url: str, *, defer: bool = False, **vars: str) -> None:
         argv = [sys.executable, str(ROOT / "tests/multihost/host_client.py"), *(["--defer"] if defer else []), url]
+        # stderr to a file: Mooncake logs every retry while a peer is dead, and a pipe nobody reads
+        # fills up and blocks the process in its next write
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by the finalizer below)
+        weakref.finalize(self, self._log.close)
         self.proc = hosts.popen(
             host,
             argv,
             env=env(**vars),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stderr=self._log,
             text=True,
         )
 
@@ -92,6 +98,7 @@ class HostClient:
                     self.proc.wait(timeout=10)
             if self.proc.poll() is not None:
                 rest = self.proc.stdout.read() if self.proc.stdout is not None else ""
-                err = (rest + (self.proc.stderr.read() if self.proc.stderr is not None else ""))[-3000:]
+                self._log.seek(0)
+                err = (rest + self._log.read().decode(errors="replace"))[-3000:]
             raise AssertionError(f"no answer to {command} in {timeout_s:g} s (rc={self.proc.poll()}): {err}")
         return json.loads(line)  # type: ignore[no-any-return]

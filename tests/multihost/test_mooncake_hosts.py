@@ -97,8 +97,9 @@ def test_mooncake_across_two_hosts(hosts: Hosts, tmp_path: Path) -> None:
 
     # a client on each host; rows written on one host read bit-exact on the other
     clients = [HostClient(hosts, h, _url(a, h)) for h in (a, b)]
-    for c in clients:
-        assert c.ask()["ready"]
+    ready = [c.ask() for c in clients]
+    token = ready[0]["token"]
+    assert all(r["ready"] for r in ready) and token and ready[1]["token"] == token, ready  # one deployment
     for c, h in zip(clients, (a, b), strict=True):
         r = c.ask("write", "p", f"from{h.index}", str(ROWS))
         assert r["ok"] and r["error"] is None, r
@@ -156,11 +157,14 @@ def test_mooncake_across_two_hosts(hosts: Hosts, tmp_path: Path) -> None:
     # (BackendUnavailable while the master still lists B's segment, KeyNotFound once it expired it);
     # no reader ever gets a wrong row (a client that read them before may still serve them from
     # Mooncake's local hot cache: the right bytes)
-    # (the new reader connects before the crash: a client that connects after it may first wait up
-    # to Mooncake's 60 s transfer timeout if the deployment token lived on B's segment)
-    fresh = HostClient(hosts, a, _url(a, a))
-    assert fresh.ask()["ready"]
     hosts.stop(server_b, sig=signal.SIGKILL)  # a crash: nothing unmounts its segment
+    # a client that connects after the crash joins at once, with the deployment's token (it has a
+    # copy on every segment: B's death loses one)
+    t_join = time.monotonic()
+    fresh = HostClient(hosts, a, _url(a, a))
+    joined = fresh.ask()
+    assert joined["ready"] and joined["token"] == token, (joined, token)
+    assert time.monotonic() - t_join < 20, "joining waited on the dead store server"
     failed = []
     for tag in tags:
         n = str(ROWS) if tag.startswith("from") else "4"

@@ -189,13 +189,19 @@ def _announce_address(master_host: str, master_port: int) -> str:
 
 # Outside every namespace (a namespace holds no "."), so no listing, clear or sweep of ours sees it.
 DEPLOYMENT_KEY = ".dataplane/deployment"
+# Copies of the token, one per segment up to this many: with a single copy, the crash of the store
+# server holding it made every client that connected next wait out its token timeout and run with
+# unchecked metas, and once the master expired the segment the next client wrote a new token, so
+# the deployment's earlier metas read as another deployment's (tests/multihost/test_mooncake_hosts.py).
+TOKEN_REPLICAS = 8
 
 
 def deployment_token(handle: StoreHandle, timeout_s: float = 5.0) -> str:
     """The master's deployment token: the first client writes a random one under
-    :data:`DEPLOYMENT_KEY` (Mooncake keeps an existing key's value), every client reads back the one
-    that won. A new master (also on the same ports) starts without it, so it gets a new token. ""
-    when it can be neither written nor read (a full store): metas are then not checked."""
+    :data:`DEPLOYMENT_KEY` (Mooncake keeps an existing key's value), on every segment mounted then
+    (up to :data:`TOKEN_REPLICAS`), and every client reads back the one that won. A new master (also on
+    the same ports) starts without it, so it gets a new token. "" when it can be neither written nor
+    read (a full store): metas are then not checked."""
     deadline = time.monotonic() + timeout_s
     mine = uuid.uuid4().hex[:16].encode()
     wrote = False
@@ -205,7 +211,7 @@ def deployment_token(handle: StoreHandle, timeout_s: float = 5.0) -> str:
             if found:
                 return found.decode("ascii", "replace")
             if not wrote:
-                wrote = handle.put_if_absent(DEPLOYMENT_KEY, mine) == 0
+                wrote = handle.put_if_absent(DEPLOYMENT_KEY, mine, replicas=TOKEN_REPLICAS) == 0
         except DataPlaneError as e:
             log.debug("dataplane: reading the deployment token failed: %s", e)
         if time.monotonic() >= deadline:

@@ -317,10 +317,19 @@ class StoreHandle:
                 out += got
         return out
 
-    def put_if_absent(self, key: str, data: bytes) -> int:
-        """``put`` of a small value (hard-pinned): Mooncake keeps the value already there, if any."""
+    def put_if_absent(self, key: str, data: bytes, *, replicas: int = 1) -> int:
+        """``put`` of a small value (hard-pinned): Mooncake keeps the value already there, if any.
+        ``replicas`` > 1 asks for copies on that many segments (as many as there are, if fewer), so
+        the value outlives the store server of any one of them."""
+        config = self.put_config
+        if replicas > 1:
+            from mooncake.store import ReplicateConfig
+
+            config = ReplicateConfig()
+            config.with_hard_pin = True
+            config.replica_num = replicas
         with self._enter() as st:
-            return int(st.put(key, data, self.put_config))
+            return int(st.put(key, data, config))
 
     def get_bytes(self, key: str) -> bytes:
         """A small value (b"" when absent, or while its put is still being written)."""
