@@ -2,9 +2,10 @@
 
     python host_client.py [--defer] URL
 
-connects once, prints ``{"ready": true, "token": ...}`` (a Mooncake client's deployment token), then answers one JSON line per command line on stdin.
-With ``--defer`` it imports what connecting to ``URL`` needs, then waits for a ``connect`` line first
-(a test starts it while the deployment is still coming up). The commands:
+connects once, prints ``{"ready": true, "token": ...}`` (``token``: a Mooncake client's deployment
+token), then answers one JSON line per command line on stdin. With ``--defer`` it imports what
+connecting to ``URL`` needs, then waits for a ``connect`` line first (a test starts it while the
+deployment is still coming up). The commands:
 
     write PARTITION TAG N      put N rows, keys TAG-0..N-1
     read PARTITION TAG N       read them back and check every byte
@@ -59,9 +60,12 @@ def main(args: list[str]) -> None:
     import dataplane
 
     url = args[-1]
-    if args[0] == "--defer":
-        # the backend's packages import now, before the deployment is up
-        __import__("ray") if url.startswith("tq://") else __import__("mooncake.store")
+    if args[0] == "--defer":  # the backend's packages import now, before the deployment is up
+        if url.startswith("tq://"):
+            import ray  # noqa: F401
+            import transfer_queue  # noqa: F401
+        else:
+            import mooncake.store  # noqa: F401
         sys.stdin.readline()
     with dataplane.connect(url) as client:
         token = getattr(getattr(client, "store", None), "deployment_token", None)  # mooncake:// only
