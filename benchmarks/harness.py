@@ -18,7 +18,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ __all__ = [
     "median",
     "median_ci95",
     "paired",
+    "report_head",
     "stats",
     "timed",
     "write_report",
@@ -128,6 +129,16 @@ def machine_line(m: dict[str, Any]) -> str:
         if m.get("loadavg_after"):
             line += f", after {', '.join(f'{x:.2f}' for x in m['loadavg_after'])}"
     return line + "."
+
+
+def report_head(title: str, about: str, columns: Sequence[str]) -> list[str]:
+    """The top of a report's markdown: ``# title``, the ``about`` paragraph (machine line, command,
+    method), then the header row and separator of a table over ``columns``.
+
+    >>> report_head("T", "M.", ["a", "b"])[-2:]
+    ['| a | b |', '| --- | --- |']
+    """
+    return [f"# {title}", "", about, "", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
 
 
 def median(xs: list[float]) -> float:

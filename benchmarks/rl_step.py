@@ -52,7 +52,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 import dataplane
-from benchmarks.harness import default_out, machine_info, machine_line, paired, write_report
+from benchmarks.harness import default_out, machine_info, machine_line, paired, report_head, write_report
 from benchmarks.workload import human_bytes, rollout_lengths
 from dataplane import KVBatchMeta
 from dataplane.codec import offsets_from_lengths
@@ -509,15 +509,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def to_markdown(report: dict[str, Any]) -> str:
-    lines = [
-        f"# One RL step's data movement: data plane against the driver funnel ({report['date']})",
-        "",
+    lines = report_head(
+        f"One RL step's data movement: data plane against the driver funnel ({report['date']})",
         f"{machine_line(report['machine'])} Command: `{report['command']}`. Medians of "
         f"{report['config']['repeat']} steps per contender after a warm-up, contenders in turns; dp={DP} x tp={TP}.",
-        "",
-        "| size | contender | step (s) | " + " | ".join(PHASES) + " | vs funnel | driver bytes | driver peak RSS |",
-        "| --- | --- | --- | " + " | ".join("---" for _ in PHASES) + " | --- | --- | --- |",
-    ]
+        ["size", "contender", "step (s)", *PHASES, "vs funnel", "driver bytes", "driver peak RSS"],
+    )
     for c in report["contenders"]:
         phases = " | ".join(f"{c['phases'][p]:.3f}" for p in PHASES)
         lines.append(

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.harness import default_out, machine_info, machine_line, write_report
+from benchmarks.harness import default_out, machine_info, machine_line, report_head, write_report
 from benchmarks.workload import human_bytes, rollout_lengths
 
 __all__ = ["PHASES", "main"]
@@ -238,17 +238,14 @@ def _child(contender: str, args: argparse.Namespace) -> dict[str, Any]:
 def to_markdown(report: dict[str, Any]) -> str:
     cfg = report["config"]
     base = next((c for c in report["contenders"] if c["name"] == "transferqueue"), None)
-    lines = [
-        f"# One verl GRPO step's data path: the verl facade against TransferQueue ({report['date']})",
-        "",
+    lines = report_head(
+        f"One verl GRPO step's data path: the verl facade against TransferQueue ({report['date']})",
         f"{machine_line(report['machine'])} Command: `{report['command']}`. {cfg['prompts']} prompts x "
         f"{cfg['samples']} samples ({report['contenders'][0]['trajectories']} trajectories, "
         f"{human_bytes(report['contenders'][0]['rollout_bytes'])} of per-token fields), medians of "
         f"{cfg['repeat']} steps after a warm-up; each contender in a process of its own, one after the other.",
-        "",
-        "| contender | step (s) | " + " | ".join(PHASES) + " | vs TransferQueue |",
-        "| --- | --- | " + " | ".join("---" for _ in PHASES) + " | --- |",
-    ]
+        ["contender", "step (s)", *PHASES, "vs TransferQueue"],
+    )
     for c in report["contenders"]:
         name = c["name"] if c["name"] == "transferqueue" else f"facade on `{c['name']}`"
         ratio = f"{base['step_seconds'] / c['step_seconds']:.2f}x" if base else "-"

@@ -8,9 +8,8 @@ import re
 import time
 from collections.abc import Sequence
 
+from dataplane.adapters.mooncake._fold import PartitionState, birth_marker
 from dataplane.adapters.mooncake._index import (
-    PartitionState,
-    birth_marker,
     data_prefix,
     decode_index,
     encode_index,

@@ -13,11 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from dataplane._host.threads import usable_cpus
+from dataplane.adapters.mooncake._fold import PartitionState, Resolved
 from dataplane.adapters.mooncake._index import (
     OBJECT_ALIGN,
-    PartitionState,
     PutIndex,
-    Resolved,
     data_key,
     decode_index,
     index_prefix,

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from dataplane._host.bufpool import BufferPool
+from dataplane.adapters.mooncake._fold import PartitionState, Resolved
 from dataplane.adapters.mooncake._handle import (
     NOT_FOUND,
     NOT_READY,
@@ -29,9 +30,7 @@ from dataplane.adapters.mooncake._handle import (
 from dataplane.adapters.mooncake._index import (
     OBJECT_ALIGN,
     ListedPuts,
-    PartitionState,
     PutIndex,
-    Resolved,
     decode_index,
     index_lines,
     index_object_bytes,

@@ -21,8 +21,9 @@ import torch
 
 from dataplane._host.bufpool import BufferPool
 from dataplane._host.hostcopy import copy_spans
+from dataplane.adapters.mooncake._fold import Resolved
 from dataplane.adapters.mooncake._handle import NOT_FOUND, NOT_READY, TRANSIENT, StoreHandle, error_for
-from dataplane.adapters.mooncake._index import OBJECT_ALIGN, PACK_ALIGN, PutIndex, Resolved, data_keys, packed_key
+from dataplane.adapters.mooncake._index import OBJECT_ALIGN, PACK_ALIGN, PutIndex, data_keys, packed_key
 from dataplane.codec.jagged import round_up
 from dataplane.codec.wire import Column
 from dataplane.schema import FieldSchema

@@ -27,7 +27,8 @@ from dataplane import store_client as store_module
 from dataplane._host.mooncake_master import child_env
 from dataplane.adapters.mooncake import HINT_KEY, MooncakeConfig, _get, _handle, _partitions, _read, parse_bytes
 from dataplane.adapters.mooncake._clear import _ids_before
-from dataplane.adapters.mooncake._index import PartitionState, decode_index, index_object_bytes
+from dataplane.adapters.mooncake._fold import PartitionState
+from dataplane.adapters.mooncake._index import decode_index, index_object_bytes
 from dataplane.adapters.mooncake._partitions import _STAGE_BYTES
 from dataplane.adapters.mooncake._servers import STREAMING_COPY_ENV, STREAMING_COPY_TUNABLE, store_server_env
 from dataplane.codec.jagged import round_up

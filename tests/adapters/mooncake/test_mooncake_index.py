@@ -15,12 +15,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dataplane.adapters.mooncake._fold import PartitionState, birth_marker
 from dataplane.adapters.mooncake._handle import AdminClient, _lines, error_for
 from dataplane.adapters.mooncake._index import (
     ListedPuts,
-    PartitionState,
     PutIndex,
-    birth_marker,
     data_key,
     data_keys,
     data_prefix,
