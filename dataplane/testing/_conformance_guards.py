@@ -8,6 +8,7 @@ import asyncio
 import gc
 import io
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -168,6 +169,66 @@ class ConformanceGuards(ConformanceBase):
             th.join(timeout=120)
         assert not errors, errors
         assert len(client.kv_list(pid)[pid]) == 64
+
+    @staticmethod
+    def _version(v: int) -> dict[str, Any]:
+        """Put number ``v`` of the one row :meth:`test_rewrites_are_read_whole` rewrites: every value
+        and the jagged row's length say which put."""
+        return {
+            "ids": _jagged([torch.full(((v * 5) % 9 + 1,), v, dtype=torch.int64)]),
+            "lp": torch.full((1, 6), float(v)),
+            "msg": [{"v": v, "pad": "x" * (v % 5)}],
+        }
+
+    def test_rewrites_are_read_whole(self, client: DataPlaneClient, pid: str) -> None:
+        """One writer re-puts one key, each put of other lengths and values (a jagged, a dense and an
+        object field together), while two readers get it: every read is one put's row, whole, in
+        every field. A get may raise ``KeyNotFound`` when the row keeps changing under it; nothing
+        else, and never a mix of two puts."""
+        seconds, done = 1.5, threading.Event()
+        client.kv_batch_put(["k"], self._version(1), partition_id=pid)
+        problems: list[str] = []
+        reads = [0, 0]
+
+        def write() -> None:
+            v = 1
+            try:
+                deadline = time.monotonic() + seconds
+                while time.monotonic() < deadline:
+                    v += 1
+                    client.kv_batch_put(["k"], self._version(v), partition_id=pid)
+            except BaseException as e:  # collected and reported below
+                problems.append(f"writer: {type(e).__name__}: {e}")
+            finally:
+                done.set()
+
+        def read(r: int) -> None:
+            limit = time.monotonic() + 60  # the row stops changing once the writer is done
+            try:
+                while (not done.is_set() or reads[r] == 0) and time.monotonic() < limit:
+                    try:
+                        got = client.kv_batch_get(["k"], partition_id=pid, select_fields=["ids", "lp", "msg"])
+                    except KeyNotFound:
+                        continue
+                    reads[r] += 1
+                    v = got["msg"][0]["v"]
+                    want = self._version(v)
+                    same = bit_exact(got["lp"], want["lp"]) and got["msg"] == want["msg"]
+                    if not same or not bit_exact(got["ids"].unbind()[0], want["ids"].unbind()[0]):
+                        ids, lp = got["ids"].unbind()[0].tolist(), got["lp"][0].tolist()
+                        problems.append(f"reader {r}: ids={ids} lp={lp} msg={got['msg']} is no one put's row")
+                        return
+            except BaseException as e:  # collected and reported below
+                problems.append(f"reader {r}: {type(e).__name__}: {e}")
+
+        threads = [threading.Thread(target=write)] + [threading.Thread(target=read, args=(r,)) for r in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=120)
+        assert not any(th.is_alive() for th in threads), "a reader or the writer did not finish in 120 s"
+        assert not problems, problems
+        assert all(reads), f"a reader read nothing: {reads}"
 
     def test_async_twins_and_sync_inside_loop(self, client: DataPlaneClient, pid: str) -> None:
         async def main() -> None:

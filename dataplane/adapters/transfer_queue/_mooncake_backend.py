@@ -2,17 +2,27 @@
 
 TQ keeps one Mooncake object per (row, field) under the key ``"{global_index}@{field}"`` and lets the
 controller record dtypes and per-row shapes. We keep one object per (row, field) and the controller's
-records, but name each object ``"{global_index}:{stamp}@{field}"``, where the stamp is the row key's
-hash (:func:`object_name`), and move the bytes ourselves, because TQ's path cannot serve dataplane's
-contract:
+records, but every put writes new objects, named ``"{global_index}:{token}@{field}"``
+(:func:`object_name`). A row's *token* is its key's hash (the stamp) and a random 48-bit version
+drawn for the put; the controller records it per row and field in the same request that records
+the rows' shapes (TQ's ``custom_backend_meta``). We move the bytes ourselves, because TQ's path
+cannot serve dataplane's contract:
 
+* TQ overwrites a row's objects in place, so a reader can get part of one put's bytes and part of
+  another's (a torn row), and a row's shapes from one put and its bytes from another. Here an
+  object is never written twice: a reader reads the tokens the controller named together with
+  the shapes, so it gets each field of one put, whole, and the fields a put wrote together from
+  that put. The objects a put replaces are removed after it is recorded.
+* Removing an object frees its memory at once (removals are forced: every read leaves a 10 s lease
+  that would block a plain one), and Mooncake can hand that memory to another put while a reader
+  is still transferring from it. So a get keeps what it read only if every object it read still
+  exists after the read (:meth:`MooncakeData.get`): a token is never written again, so an object
+  still there was never freed under the read.
 * TQ hands a cleared row's global index to the next new key, and a writer or reader that took the
-  index from the controller before the clear still uses it after. Named by index alone, a reader
-  of the cleared key reads the new key's bytes, and a late writer of the cleared key writes over
-  the new key's fields. Named by index and key, every object says whose it is: a reader asks only
-  for its own key's objects (another key's are simply not found, -704, and the get reads the rows'
-  metadata again), and a late writer's objects are its own key's, never read as another's. No
-  extra object, byte or round trip; TransferQueue's own readers cannot read these rows.
+  index before the clear still uses it after. A reader of the cleared key asks for the cleared
+  row's tokens, which name no other row. A late writer of the cleared key writes objects and a
+  record under its own key's stamp: another key's reader finds a token that is not its key's and
+  reads the rows' metadata again (:func:`is_keys`), never another key's bytes.
 * Mooncake refuses zero-byte objects (``-600``, and TQ then retries for 3 s): a jagged row of length
   0 could not be stored. We never store zero-byte values; their shape, recorded by the controller
   like every other row's, is enough to rebuild them.
@@ -28,6 +38,7 @@ Every function here blocks; callers run them in an executor thread.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -40,10 +51,10 @@ import torch
 from dataplane.adapters.transfer_queue._layout import RowsChanged
 from dataplane.codec.jagged import offsets_from_lengths
 from dataplane.codec.wire import Column
-from dataplane.errors import BackendUnavailable, CapacityExceeded, DataPlaneError, KeyNotFound
+from dataplane.errors import BackendUnavailable, CapacityExceeded, KeyNotFound
 from dataplane.schema import FieldSchema
 
-__all__ = ["MooncakeData", "ReadPlan", "object_name"]
+__all__ = ["MooncakeData", "ReadPlan", "Tokens", "is_keys", "new_version", "object_name", "row_tokens", "token_of"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +75,9 @@ _NAMES = {
     -901: "RPC to the master timed out",
 }
 
+Tokens = Mapping[str, str]
+"""One row's objects: the token of each of its fields (TQ's ``custom_backend_meta`` of the row)."""
+
 
 def _executor() -> ThreadPoolExecutor:
     global _pool
@@ -73,28 +87,45 @@ def _executor() -> ThreadPoolExecutor:
         return _pool
 
 
-# A row rewritten or removed by another process while it was read: gone (-704), being written (-703),
-# or now of another size than the controller recorded (-600 for a buffer too small, or a short read).
-_CHANGED = (-600, -703, -704)
+# A row removed while it was read: gone (-704), not written yet (-703), or of another size than the
+# controller recorded (-600 for a buffer too small, or a short read: only a foreign writer does that).
+_CHANGED = (-600, -703, -704, -707)
 _RETRIES = 4
 
 
-def object_name(global_index: int, stamp: int, field: str) -> str:
-    """The Mooncake object holding ``field`` of the row at ``global_index`` whose key hashes to
-    ``stamp``."""
-    return _prefixes([global_index], [stamp])[0] + field
+def new_version() -> int:
+    """A put's version: 48 random bits (the objects of two puts of one row never share a name)."""
+    return int.from_bytes(os.urandom(6), "little")
 
 
-def _prefixes(global_indexes: Sequence[int], stamps: Sequence[int]) -> list[str]:
-    """Each row's object names up to the field (formatted once per row, not per row and field)."""
-    return [f"{gi}:{st & 0xFFFFFFFFFFFFFFFF:016x}@" for gi, st in zip(global_indexes, stamps, strict=True)]
+def token_of(stamp: int, version: int) -> str:
+    """The token of a row whose key hashes to ``stamp``, as the put of ``version`` wrote it."""
+    return f"{stamp & 0xFFFFFFFFFFFFFFFF:016x}.{version:012x}"
+
+
+def is_keys(token: str, stamp: int) -> bool:
+    """Whether ``token`` was written for a key that hashes to ``stamp``."""
+    return token.startswith(f"{stamp & 0xFFFFFFFFFFFFFFFF:016x}.")
+
+
+def object_name(global_index: int, token: str, field: str) -> str:
+    """The Mooncake object holding ``field`` of the row at ``global_index`` under ``token``."""
+    return f"{global_index}:{token}@{field}"
+
+
+def row_tokens(backend_meta: Mapping[str, Any]) -> dict[str, str]:
+    """The tokens a row's TQ ``custom_backend_meta`` records (fields written by something other
+    than dataplane have none)."""
+    return {f: t for f, t in backend_meta.items() if isinstance(t, str)}
 
 
 @dataclass(frozen=True, slots=True)
 class ReadPlan:
-    """What to read for one field: its schema and, for jagged/object fields, each row's length."""
+    """What to read for one field: its schema, each row's token and, for jagged/object fields,
+    each row's length."""
 
     schema: FieldSchema
+    tokens: Sequence[str]
     lengths: Sequence[int] | None = None
 
 
@@ -112,11 +143,13 @@ class MooncakeData:
         nbytes = t.numel() * t.element_size()
         return nbytes > 0 and self._store.register_buffer(t.data_ptr(), nbytes) == 0
 
-    def _batches(self, fn: Any, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+    def _batches(self, fn: Any, *columns: list[Any]) -> list[int]:
+        """``fn`` over ``columns`` (keys first) in chunks of :data:`CHUNK_KEYS`, concurrently."""
+        keys = columns[0]
         spans = [(i, min(i + CHUNK_KEYS, len(keys))) for i in range(0, len(keys), CHUNK_KEYS)]
         if len(spans) <= 1:
-            return list(fn(keys, ptrs, sizes)) if keys else []
-        parts = _executor().map(lambda s: list(fn(keys[s[0] : s[1]], ptrs[s[0] : s[1]], sizes[s[0] : s[1]])), spans)
+            return list(fn(*columns)) if keys else []
+        parts = _executor().map(lambda s: list(fn(*(c[s[0] : s[1]] for c in columns))), spans)
         return [code for part in parts for code in part]
 
     @staticmethod
@@ -135,14 +168,15 @@ class MooncakeData:
         raise BackendUnavailable(f"{detail}; is the mooncake_master or the segment owner (the TQ owner) alive?")
 
     # ------------------------------------------------------------------ operations
-    def put(self, global_indexes: Sequence[int], stamps: Sequence[int], columns: Mapping[str, Column]) -> None:
-        """Write ``columns`` to the rows at ``global_indexes`` whose keys hash to ``stamps``."""
+    def put(self, global_indexes: Sequence[int], tokens: Sequence[str], columns: Mapping[str, Column]) -> None:
+        """Write ``columns`` to new objects of the rows at ``global_indexes``, named by ``tokens``."""
         keys: list[str] = []
         ptrs: list[int] = []
         sizes: list[int] = []
         held: list[torch.Tensor] = []
         registered: list[int] = []
-        rows = _prefixes(global_indexes, stamps)
+        rows = [object_name(gi, t, "") for gi, t in zip(global_indexes, tokens, strict=True)]
+        upsert = self._upsert
         try:
             for field, col in columns.items():
                 values = col.values.contiguous()
@@ -157,19 +191,14 @@ class MooncakeData:
                         keys.append(row + field)
                         ptrs.append(base + a * es)
                         sizes.append((b - a) * es)
-            codes = self._batches(
-                lambda k, p, s: self._store.batch_upsert_from(k, p, s, config=self._config), keys, ptrs, sizes
-            )
-            for attempt in range(_RETRIES):  # another process upserting the same row right now: after it
+            codes = self._batches(upsert, keys, ptrs, sizes)
+            for attempt in range(_RETRIES):  # a transfer that failed on a busy peer: once more, a bit later
                 again = [j for j, c in enumerate(codes) if c < 0 and c != -200]
                 if not again:
                     break
                 time.sleep(0.005 * 2**attempt)
                 redo = self._batches(
-                    lambda k, p, s: self._store.batch_upsert_from(k, p, s, config=self._config),
-                    [keys[j] for j in again],
-                    [ptrs[j] for j in again],
-                    [sizes[j] for j in again],
+                    upsert, [keys[j] for j in again], [ptrs[j] for j in again], [sizes[j] for j in again]
                 )
                 for j, c in zip(again, redo, strict=True):
                     codes[j] = c
@@ -178,19 +207,20 @@ class MooncakeData:
             for ptr in registered:
                 self._store.unregister_buffer(ptr)
 
-    def get(
-        self, global_indexes: Sequence[int], stamps: Sequence[int], plans: Mapping[str, ReadPlan]
-    ) -> dict[str, Column]:
-        """Read ``plans``' fields of the rows at ``global_indexes`` whose keys hash to ``stamps``;
-        raises :class:`RowsChanged` when a row is gone or changed while read (its index may now hold
-        another key's row, whose objects have other names)."""
+    def _upsert(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        # an upsert, not a put: a retry of this put's own object replaces it (a put would keep it)
+        return list(self._store.batch_upsert_from(keys, ptrs, sizes, config=self._config))
+
+    def get(self, global_indexes: Sequence[int], plans: Mapping[str, ReadPlan]) -> dict[str, Column]:
+        """Read ``plans``' fields of the rows at ``global_indexes``, each row's field under the token
+        its plan names; raises :class:`RowsChanged` when an object is gone (a later put or a clear
+        removed it) before or while it was read."""
         n = len(global_indexes)
         out: dict[str, Column] = {}
         keys: list[str] = []
         ptrs: list[int] = []
         sizes: list[int] = []
         registered: list[int] = []
-        rows = _prefixes(global_indexes, stamps)
         try:
             for field, plan in plans.items():
                 schema = plan.schema
@@ -207,9 +237,10 @@ class MooncakeData:
                 if self._register(buf):
                     registered.append(buf.data_ptr())
                 base = buf.data_ptr()
-                for row, a, b in zip(rows, cuts[:-1], cuts[1:], strict=True):
+                suffix = "@" + field
+                for gi, t, a, b in zip(global_indexes, plan.tokens, cuts[:-1], cuts[1:], strict=True):
                     if b > a:
-                        keys.append(row + field)
+                        keys.append(f"{gi}:{t}{suffix}")
                         ptrs.append(base + a * es)
                         sizes.append((b - a) * es)
             got = self._batches(self._store.batch_get_into, keys, ptrs, sizes)
@@ -217,22 +248,26 @@ class MooncakeData:
             if changed:
                 raise RowsChanged(f"{len(changed)} of {len(keys)} rows changed while being read, e.g. {changed[0]!r}")
             self._raise("get", keys, got)
-            short = [(k, g, s) for k, g, s in zip(keys, got, sizes, strict=True) if g != s]
-            if short:
-                k, g, s = short[0]
-                raise DataPlaneError(
-                    f"Mooncake returned {g} bytes for {k!r} where its recorded shape needs {s}; the row was "
-                    "rewritten while being read, or written by something other than dataplane"
-                )
+            # every object still there after the read was never removed, so its memory never went to
+            # another put while we read it (a token's objects are never written twice)
+            there = self._batches(self._store.batch_is_exist, keys)
+            gone = [k for k, e in zip(keys, there, strict=True) if e != 1]
+            if gone:
+                if any(e < 0 for e in there):
+                    raise BackendUnavailable(
+                        f"Mooncake could not say whether {len(gone)} objects it just read still exist, e.g. "
+                        f"{gone[0]!r}; is the mooncake_master alive?"
+                    )
+                raise RowsChanged(f"{len(gone)} of {len(keys)} rows were removed while being read, e.g. {gone[0]!r}")
             return out
         finally:
             for ptr in registered:
                 self._store.unregister_buffer(ptr)
 
-    def remove(self, global_indexes: Sequence[int], stamps: Sequence[int], fields: Sequence[str]) -> None:
-        """Remove ``fields``' objects of the rows at ``global_indexes`` whose keys hash to ``stamps``."""
-        rows = _prefixes(global_indexes, stamps)
-        keys = [row + f for f in fields for row in rows]
+    def remove(self, global_indexes: Sequence[int], tokens: Sequence[Tokens]) -> None:
+        """Remove the objects ``tokens`` names for each row at ``global_indexes`` (forced: a read's
+        lease must not keep a cleared or replaced row; :meth:`get` checks its reads for this)."""
+        keys = [object_name(gi, t, f) for gi, row in zip(global_indexes, tokens, strict=True) for f, t in row.items()]
         if not keys:
             return
         codes: list[int] = []

@@ -54,7 +54,14 @@ from dataplane.adapters.transfer_queue._layout import (
     split_fields,
     to_tq,
 )
-from dataplane.adapters.transfer_queue._mooncake_backend import MooncakeData, ReadPlan
+from dataplane.adapters.transfer_queue._mooncake_backend import (
+    MooncakeData,
+    ReadPlan,
+    is_keys,
+    new_version,
+    row_tokens,
+    token_of,
+)
 from dataplane.adapters.transfer_queue._pack import (
     ParsedPack,
     StaleSchema,
@@ -224,6 +231,9 @@ class TQOps:
 
         rows = BatchMeta(gis, [partition_id] * len(gis))
         writing: asyncio.Future[Any] | None = None
+        tokens: list[str] = []  # Mooncake: each row's token, in the names of the objects this put writes
+        replaced: list[tuple[int, dict[str, str]]] = []  # (row, tokens) of the objects it replaces
+        notified = False
         try:
             if self.mooncake is None:
                 packed = pack_columns(columns, len(keys), keys=keys)
@@ -233,11 +243,16 @@ class TQOps:
                 marking = functools.partial(marker_after_put, pack=packed.pack)
             else:
                 td = TensorDict({f: to_tq(c) for f, c in columns.items()}, batch_size=[len(keys)])
-                stamps = key_stamps(keys).tolist()  # in the objects' names: see _mooncake_backend
-                writing = asyncio.ensure_future(self._in_thread(self.mooncake.put, gis, stamps, columns))
+                version = new_version()  # see _mooncake_backend: a put never writes over an object
+                tokens = [token_of(st, version) for st in key_stamps(keys).tolist()]
+                writing = asyncio.ensure_future(self._in_thread(self.mooncake.put, gis, tokens, columns))
+                # what this put replaces, asked while it writes (rows holding none of its fields: nothing)
+                replaced = await self._held_tokens(partition_id, keys, gis, old_tags, frozenset(fields))
                 await asyncio.shield(writing)  # a timeout must not orphan the write (see _rollback)
                 self.round_trips += 1
-                await self.manager.notify_data_update(partition_id, gis, extract_field_schema(td), None)
+                written = {gi: dict.fromkeys(fields, t) for gi, t in zip(gis, tokens, strict=True)}
+                await self.manager.notify_data_update(partition_id, gis, extract_field_schema(td), written)
+                notified = True
                 marking = functools.partial(_marker_with, fields=frozenset(fields))
             commit_gis, commit_tags = [], []
             for i, (gi, old) in enumerate(zip(gis, old_tags, strict=True)):
@@ -251,13 +266,54 @@ class TQOps:
                 if f not in recorded:
                     commit_gis.append(bm.global_indexes[j])
                     commit_tags.append(schema_tag(f, columns[f].schema))
-            await self._set_tags(partition_id, commit_gis, commit_tags)
+            if replaced:  # recorded: no reader is sent to them any more (one that was checks its read)
+                assert self.mooncake is not None
+                await asyncio.gather(
+                    self._set_tags(partition_id, commit_gis, commit_tags),
+                    self._in_thread(self.mooncake.remove, *zip(*replaced, strict=True)),
+                )
+            else:
+                await self._set_tags(partition_id, commit_gis, commit_tags)
         except BaseException as e:
-            await self._undo(
-                e, self._rollback(partition_id, new_gis, [keys[i] for i in new], fields, writing), deadline
-            )
+            # once recorded, the put's objects are the existing rows' data: then only the new rows' go
+            at = range(len(tokens)) if not notified else new
+            ours = [(gis[i], dict.fromkeys(fields, tokens[i])) for i in at]
+            rollback = self._rollback(partition_id, new_gis, ours, writing)
+            await self._undo(e, rollback, deadline)
             raise
         return {SCHEMA_EXTRA: {f: c.schema.to_dict() for f, c in columns.items()}}
+
+    async def _held_tokens(
+        self,
+        partition_id: str,
+        keys: Sequence[str],
+        gis: Sequence[int],
+        tags: Sequence[Mapping[str, Any]],
+        fields: frozenset[str],
+    ) -> list[tuple[int, dict[str, str]]]:
+        """The tokens of ``fields`` that the rows of ``keys`` (at ``gis``, tagged ``tags``) hold now,
+        as ``(global index, {field: token})`` for rows holding any: the objects a put of ``fields``
+        replaces. Rows whose markers name none of ``fields`` cost nothing; the others are asked for in
+        one request per set of fields (TQ answers only for fields every asked row holds), sent
+        together."""
+        groups: dict[frozenset[str], list[int]] = {}
+        for i, t in enumerate(tags):
+            held = marker_fields(m) & fields if isinstance(m := t.get(MARKER), str) else frozenset()
+            if held:
+                groups.setdefault(held, []).append(i)
+        if not groups:
+            return []
+        answers = await asyncio.gather(
+            *(self._retrieve(partition_id, [keys[i] for i in rows]) for rows in groups.values())
+        )
+        out = []
+        for (held, rows), bm in zip(groups.items(), answers, strict=True):
+            mine = {gis[i] for i in rows}
+            for gi, meta in zip(bm.global_indexes, bm._custom_backend_meta, strict=True):
+                held_now = {f: t for f, t in row_tokens(meta).items() if f in held}
+                if gi in mine and held_now:  # a row cleared and its index reused meanwhile: not ours
+                    out.append((gi, held_now))
+        return out
 
     async def _put_tags(
         self, partition_id: str, keys: Sequence[str], tags: Sequence[Mapping[str, Any]], deadline: float
@@ -308,25 +364,24 @@ class TQOps:
             await self.client._clear_meta_in_controller(BatchMeta(gis, [partition_id] * len(gis)))
 
     async def _rollback(
-        self, partition_id: str, new_gis: list[int], new_keys: list[str], fields: list[str], writing: Any
+        self, partition_id: str, new_gis: list[int], ours: list[tuple[int, dict[str, str]]], writing: Any
     ) -> None:
-        """Remove the rows a failed put created: their bytes, then their keys."""
+        """Undo a failed put: remove its bytes (SimpleStorage: the new rows'; Mooncake: the objects
+        ``ours`` names), then forget the keys it created (at ``new_gis``)."""
         from transfer_queue.metadata import BatchMeta
 
         if writing is not None and not writing.done():
             await asyncio.shield(writing)  # let the Mooncake write finish before removing what it wrote
-        if not new_gis:
-            return
-        meta = BatchMeta(new_gis, [partition_id] * len(new_gis))
         try:  # best effort: a dead storage unit must not keep the keys registered
             if self.mooncake is None:
-                await asyncio.wait_for(self.manager.clear_data(meta), ROLLBACK_TIMEOUT_S / 2)
-            else:
-                stamps = key_stamps(new_keys).tolist()
-                removing = self._in_thread(self.mooncake.remove, new_gis, stamps, fields)
+                if new_gis:
+                    meta = BatchMeta(new_gis, [partition_id] * len(new_gis))
+                    await asyncio.wait_for(self.manager.clear_data(meta), ROLLBACK_TIMEOUT_S / 2)
+            elif writing is not None and ours:
+                removing = self._in_thread(self.mooncake.remove, *zip(*ours, strict=True))
                 await asyncio.wait_for(removing, ROLLBACK_TIMEOUT_S / 2)
         except Exception as e:
-            log.warning("dataplane: rollback could not remove the data of %d rows: %s", len(new_gis), e)
+            log.warning("dataplane: rollback could not remove the data of %d rows: %s", len(ours), e)
         await self._unregister(partition_id, new_gis)
 
     # ------------------------------------------------------------------ get
@@ -376,11 +431,17 @@ class TQOps:
             raise _missing_fields(partition_id, keys, absent, markers, known)
         n = len(keys)
         try:
-            plans = {f: ReadPlan(known[f], self._lengths(f, known[f], bm.field_schema[f], n)) for f in fields}
+            tokens = [row_tokens(m) for m in bm._custom_backend_meta]
+            stamps = key_stamps(keys).tolist()
+            plans = {
+                f: ReadPlan(
+                    known[f], self._tokens_of(f, tokens, stamps), self._lengths(f, known[f], bm.field_schema[f], n)
+                )
+                for f in fields
+            }
         except DataPlaneError as e:  # read mid-way through another process's put or clear of these rows?
             raise RowsChanged(str(e)) from e
-        stamps = key_stamps(keys).tolist()  # a row whose index went to another key is not found under its name
-        got: dict[str, Column] = await self._in_thread(self.mooncake.get, bm.global_indexes, stamps, plans)
+        got: dict[str, Column] = await self._in_thread(self.mooncake.get, bm.global_indexes, plans)
         return got
 
     async def _packed_get(
@@ -471,6 +532,21 @@ class TQOps:
         return out
 
     @staticmethod
+    def _tokens_of(field: str, tokens: Sequence[Mapping[str, str]], stamps: Sequence[int]) -> list[str]:
+        """Each row's token of ``field`` (the controller records it with the row's shape). A token
+        of another key is a late write of a cleared key whose index this row took: read again."""
+        try:
+            out = [t[field] for t in tokens]
+        except KeyError:
+            raise DataPlaneError(
+                f"TransferQueue records no dataplane token of field {field!r} for some rows; the partition "
+                "was probably written by something other than dataplane"
+            ) from None
+        if not all(is_keys(t, st) for t, st in zip(out, stamps, strict=True)):
+            raise RowsChanged(f"field {field!r} of some rows was last written by a put of another key")
+        return out
+
+    @staticmethod
     def _lengths(field: str, schema: FieldSchema, tq: Mapping[str, Any], n: int) -> list[int] | None:
         if schema.kind == "dense":
             return None
@@ -503,15 +579,15 @@ class TQOps:
         if bm.size == 0:
             return
         fields = set(bm.field_names).union(*(split_fields(t.get(MARKER)) for t in bm.custom_meta))
+        held = await self._all_tokens(partition_id, asked, bm) if fields and self.mooncake is not None else []
         self.round_trips += 1
         await self.client._mark_clearing_in_controller(bm)
         if not fields:
             pass  # tag-only rows: nothing in storage
         elif self.mooncake is None:
             await self.manager.clear_data(bm)
-        else:
-            named = asked if bm.size == len(asked) else None  # every key found: in order, no need to ask
-            await self._remove_objects(partition_id, bm.global_indexes, sorted(fields), named)
+        elif held:
+            await self._in_thread(self.mooncake.remove, *zip(*held, strict=True))
         self.round_trips += 1
         await self.client._clear_meta_in_controller(bm)
         rows = (await self._listing(partition_id)).get(partition_id)
@@ -520,7 +596,7 @@ class TQOps:
 
     async def _drop_partition(self, partition_id: str) -> None:
         self.round_trips += 1
-        meta = await self.client._get_partition_meta(partition_id)
+        meta = await self.client._get_partition_meta(partition_id)  # every row, with every field's token
         if meta is None:
             return
         if meta.size:
@@ -530,23 +606,47 @@ class TQOps:
                 if self.mooncake is None:
                     await self.manager.clear_data(meta)
                 else:
-                    await self._remove_objects(partition_id, meta.global_indexes, meta.field_names)
+                    tokens = [row_tokens(m) for m in meta._custom_backend_meta]
+                    await self._in_thread(self.mooncake.remove, meta.global_indexes, tokens)
         self.round_trips += 1
         await self.client._clear_partition_in_controller(partition_id)
 
-    async def _remove_objects(
-        self, partition_id: str, gis: list[int], fields: Sequence[str], keys: Sequence[str | None] | None = None
-    ) -> None:
-        """Remove the Mooncake objects of ``fields`` of the rows at ``gis``: their names carry the
-        rows' ``keys``, which the controller names when not given (1 round trip)."""
-        assert self.mooncake is not None
-        if keys is None:
+    async def _all_tokens(self, partition_id: str, asked: list[str], bm: Any) -> list[tuple[int, dict[str, str]]]:
+        """Every field's token of the rows ``bm`` found for ``asked``, as ``(global index, {field:
+        token})``. ``bm`` has them for the fields all its rows hold; rows holding more fields cost
+        one request per set of fields (and one more to name the rows, when some keys were absent)."""
+        out = [(gi, row_tokens(m)) for gi, m in zip(bm.global_indexes, bm._custom_backend_meta, strict=True)]
+        tags: list[dict[str, Any]] = bm.custom_meta
+        short = [
+            i
+            for i, (t, (_, held)) in enumerate(zip(tags, out, strict=True))
+            if isinstance(m := t.get(MARKER), str) and not marker_fields(m) <= held.keys()
+        ]
+        if not short:
+            return out
+        if bm.size == len(asked):
+            names: list[str | None] = list(asked)  # every key found: in order
+        else:
             self.round_trips += 1
-            keys = await self.client.async_kv_retrieve_keys(global_indexes=list(gis), partition_id=partition_id)
-        known = [(gi, k) for gi, k in zip(gis, keys, strict=True) if isinstance(k, str) and not is_reserved(k)]
-        if known:
-            stamps = key_stamps([k for _, k in known]).tolist()
-            await self._in_thread(self.mooncake.remove, [gi for gi, _ in known], stamps, list(fields))
+            try:
+                found = await self.client.async_kv_retrieve_keys(
+                    global_indexes=[bm.global_indexes[i] for i in short], partition_id=partition_id
+                )
+            except RuntimeError:  # some cleared meanwhile, by a clear that removes their objects
+                return out
+            names = [None] * bm.size
+            for i, name in zip(short, found, strict=True):
+                names[i] = name
+        named = [i for i in short if isinstance(names[i], str)]
+        more = await self._held_tokens(
+            partition_id,
+            [str(names[i]) for i in named],
+            [bm.global_indexes[i] for i in named],
+            [tags[i] for i in named],
+            frozenset().union(*(marker_fields(tags[i][MARKER]) for i in named)),
+        )
+        extra = dict(more)
+        return [(gi, {**held, **extra.get(gi, {})}) for gi, held in out]
 
     async def describe(self, partition_id: str, keys: Sequence[str]) -> Described:
         """Each key's fields (from its row marker) and tags, or None where it has no committed row:
