@@ -14,14 +14,18 @@ reported (by type and message) and fails :func:`run_churn`'s caller::
     assert report.ok, report.problems
 
 Every process joins with ``dataplane.connect(url)``; the functions here are the processes' targets
-(importable, so ``forkserver`` and ``spawn`` children find them).
+(importable, so ``forkserver`` and ``spawn`` children find them). Each process's stderr (file
+descriptor 2, so native libraries' logs too) goes to a file; its lines at WARNING or above come back
+in :attr:`ChurnReport.noise`: a race the adapter handles must not print one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import random
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -33,6 +37,7 @@ import torch
 
 import dataplane
 from dataplane.errors import CapacityExceeded, KeyNotFound
+from dataplane.testing.logs import noisy_lines
 
 __all__ = ["KEYS", "PARTITION", "ChurnReport", "clearer", "reader", "row", "row_len", "run_churn", "writer"]
 
@@ -174,6 +179,15 @@ def reader(url: str, seed: int, seconds: float, scale: int, env: dict[str, str],
     conn.send((gets, rows, missing, problem, last_missing))
 
 
+def _with_stderr_to(path: str, target: Callable[..., None], *args: Any) -> None:
+    """Run ``target(*args)`` with this process's file descriptor 2 (native libraries' logs
+    included) written to ``path``."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 2)
+    os.close(fd)
+    target(*args)
+
+
 def _describe(e: BaseException) -> str:
     where = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
     at = f" (at {where.filename}:{where.lineno})" if where else ""
@@ -188,6 +202,7 @@ class ChurnReport:
     clears: int = 0  # by the clearer, if any
     readers: list[tuple[int, int, int]] = field(default_factory=list)  # (gets, rows, KeyNotFound) per reader
     problems: list[str] = field(default_factory=list)  # bad rows and errors other than KeyNotFound
+    noise: list[str] = field(default_factory=list)  # stderr lines at WARNING or above, by process
     last_missing: str = ""  # the message of a reader's last KeyNotFound
 
     @property
@@ -234,10 +249,14 @@ def run_churn(
     jobs += [(reader, (url, 100 + r, seconds, scale, env)) for r in range(readers)]
     started: list[tuple[str, Connection, Any]] = []
     report = ChurnReport()
+    logs = tempfile.TemporaryDirectory(prefix="dataplane-churn-")
+    paths: list[tuple[str, str]] = []
     try:
-        for target, args in jobs:
+        for n, (target, args) in enumerate(jobs):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=target, args=(*args, child), daemon=True)
+            path = os.path.join(logs.name, f"{n}-{target.__name__}.stderr")
+            paths.append((target.__name__, path))
+            proc = ctx.Process(target=_with_stderr_to, args=(path, target, *args, child), daemon=True)
             proc.start()
             child.close()
             started.append((target.__name__, parent, proc))
@@ -283,6 +302,10 @@ def run_churn(
             if proc.is_alive():  # a process of this run
                 proc.kill()
                 proc.join(timeout=10)
+        for name, path in paths:
+            with contextlib.suppress(OSError), open(path, errors="replace") as f:
+                report.noise += [f"{name}: {line}" for line in noisy_lines(f.read())]
+        logs.cleanup()
     codes = [proc.exitcode for _, _, proc in started]
     if any(codes):
         report.problems.append(f"exit codes {codes}")

@@ -57,7 +57,7 @@ from dataplane.adapters.transfer_queue._layout import (
 from dataplane.adapters.transfer_queue._mooncake_backend import (
     MooncakeData,
     ReadPlan,
-    is_keys,
+    key_prefix,
     new_version,
     row_tokens,
     token_of,
@@ -432,10 +432,10 @@ class TQOps:
         n = len(keys)
         try:
             tokens = [row_tokens(m) for m in bm._custom_backend_meta]
-            stamps = key_stamps(keys).tolist()
+            prefixes = [key_prefix(st) for st in key_stamps(keys).tolist()]
             plans = {
                 f: ReadPlan(
-                    known[f], self._tokens_of(f, tokens, stamps), self._lengths(f, known[f], bm.field_schema[f], n)
+                    known[f], self._tokens_of(f, tokens, prefixes), self._lengths(f, known[f], bm.field_schema[f], n)
                 )
                 for f in fields
             }
@@ -532,7 +532,7 @@ class TQOps:
         return out
 
     @staticmethod
-    def _tokens_of(field: str, tokens: Sequence[Mapping[str, str]], stamps: Sequence[int]) -> list[str]:
+    def _tokens_of(field: str, tokens: Sequence[Mapping[str, str]], prefixes: Sequence[str]) -> list[str]:
         """Each row's token of ``field`` (the controller records it with the row's shape). A token
         of another key is a late write of a cleared key whose index this row took: read again."""
         try:
@@ -542,7 +542,7 @@ class TQOps:
                 f"TransferQueue records no dataplane token of field {field!r} for some rows; the partition "
                 "was probably written by something other than dataplane"
             ) from None
-        if not all(is_keys(t, st) for t, st in zip(out, stamps, strict=True)):
+        if not all(t.startswith(p) for t, p in zip(out, prefixes, strict=True)):
             raise RowsChanged(f"field {field!r} of some rows was last written by a put of another key")
         return out
 
