@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from tensordict import NonTensorStack, TensorDict, TensorDictBase
 
+from dataplane.checks import check_int
 from dataplane.client import DataPlaneClient, PadValues
 from dataplane.codec.jagged import lengths_of, pack, pack_nested, to_nested
 from dataplane.codec.objects import object_array_of
@@ -174,15 +175,13 @@ def first_write(
     (('p0_g0', 'p0_g1'), (2, 1), [[5, 6], [7, 0]])
     """
     items = _as_dict(rollout, "rollout")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise InvalidArgument(f"group_size must be an int >= 1, got {group_size!r}")
+    check_int("group_size", group_size, low=1)
     if isinstance(uids, (str, bytes)):
         raise SchemaError("uids must be a list of ids, not a single str")
     uid_list = list(uids)
     if len(set(uid_list)) != len(uid_list):
         raise InvalidArgument("uids must be unique; one uid per prompt, its samples are told apart by _g{i}")
-    if not isinstance(pad_to_multiple, int) or pad_to_multiple < 1:
-        raise InvalidArgument(f"pad_to_multiple must be an int >= 1, got {pad_to_multiple!r}")
+    check_int("pad_to_multiple", pad_to_multiple, low=1)
     num_rows = len(uid_list) * group_size
     if isinstance(token_fields, str):
         token_fields = [token_fields]

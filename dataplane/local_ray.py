@@ -13,6 +13,7 @@ from typing import Any
 
 from dataplane._host.quiet import ray_logging_level
 from dataplane.adapters.transfer_queue._ray import loopback_ray
+from dataplane.checks import check_int
 from dataplane.errors import InvalidArgument
 
 __all__ = ["init_local_ray"]
@@ -35,8 +36,7 @@ def init_local_ray(num_cpus: int, **ray_init_kwargs: Any) -> bool:
     """
     import ray
 
-    if isinstance(num_cpus, bool) or not isinstance(num_cpus, int) or num_cpus < 1:
-        raise InvalidArgument(f"num_cpus must be an int >= 1, got {num_cpus!r}")
+    check_int("num_cpus", num_cpus, low=1)
     for name in ("address", "_node_ip_address", "num_cpus"):
         if name in ray_init_kwargs:
             raise InvalidArgument(f"init_local_ray sets {name} itself; call ray.init directly to choose it")

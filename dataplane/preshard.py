@@ -27,6 +27,7 @@ import torch
 from tensordict import TensorDictBase
 
 from dataplane.balance import Algorithm, MicrobatchOrder, partition_rows, plan_microbatches
+from dataplane.checks import check_int
 from dataplane.errors import InvalidArgument, SchemaError
 from dataplane.meta import KVBatchMeta
 
@@ -68,12 +69,6 @@ class ShardPlan:
 
 
 # -- public API ----------------------------------------------------------------------------------
-def _check_int(name: str, value: object, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise InvalidArgument(f"{name} must be an int >= {low}, got {value!r}")
-    return int(value)
-
-
 def plan_shards(
     sequence_lengths: Sequence[int] | np.ndarray,
     dp_size: int,
@@ -92,14 +87,15 @@ def plan_shards(
     >>> plan.rows, plan.rank_tokens
     (((0, 1), (2, 3)), (6, 6))
     """
-    k = _check_int("dp_size", dp_size, 1)
+    k = check_int("dp_size", dp_size, low=1, allow_numpy=True)
     multiple = math.lcm(
-        _check_int("pad_to_multiple", pad_to_multiple, 1), _check_int("sequence_length_round", sequence_length_round, 1)
+        check_int("pad_to_multiple", pad_to_multiple, low=1, allow_numpy=True),
+        check_int("sequence_length_round", sequence_length_round, low=1, allow_numpy=True),
     )
     budget = (
         None
         if max_tokens_per_microbatch is None
-        else _check_int("max_tokens_per_microbatch", max_tokens_per_microbatch, 1)
+        else check_int("max_tokens_per_microbatch", max_tokens_per_microbatch, low=1, allow_numpy=True)
     )
     if microbatch_order not in ("planned", "largest_first"):
         raise InvalidArgument(f"microbatch_order must be 'planned' or 'largest_first', got {microbatch_order!r}")

@@ -22,6 +22,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from dataplane._host.threads import Helper, usable_cpus
+from dataplane.checks import check_int, check_number
 from dataplane.client import (
     Capabilities,
     DataPlaneClient,
@@ -168,8 +169,7 @@ class StoreClient(DataPlaneClient):
         pickle_fields: Collection[str] = (),
         on_close: Sequence[Any] = (),
     ) -> None:
-        if timeout_s <= 0:
-            raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s}")
+        check_number("timeout_s", timeout_s, low=0, low_open=True)
         self._store = store
         self.timeout_s = float(timeout_s)
         self.pickle_fields = frozenset(pickle_fields)
@@ -286,10 +286,8 @@ class StoreClient(DataPlaneClient):
         fields = _check_select(select_fields)
         if layout not in ("jagged", "padded"):
             raise InvalidArgument(f"layout must be 'jagged' or 'padded', got {layout!r}")
-        if not isinstance(pad_to_multiple, int) or pad_to_multiple < 1:
-            raise InvalidArgument(f"pad_to_multiple must be an int >= 1, got {pad_to_multiple!r}")
-        if pad_to_length is not None and (not isinstance(pad_to_length, int) or pad_to_length < 0):
-            raise InvalidArgument(f"pad_to_length must be an int >= 0 or None, got {pad_to_length!r}")
+        check_int("pad_to_multiple", pad_to_multiple, low=1)
+        check_int("pad_to_length", pad_to_length, low=0, allow_none=True)
         pending = self._store.begin_get(partition_id, keys, fields, meta=meta, timeout_s=self.timeout_s)
         decode = functools.partial(
             self._decode,

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from tensordict import NonTensorStack, TensorDict, TensorDictBase
 
+from dataplane.checks import check_int
 from dataplane.client import DataPlaneClient, PadValues
 from dataplane.codec.wire import Column, Layout, decode_columns, validate_field_name
 from dataplane.errors import DataPlaneError, InvalidArgument, SchemaError
@@ -73,11 +74,7 @@ def _check_fields(select_fields: Sequence[str] | str) -> list[str]:
 
 def _meta_pad_length(meta: KVBatchMeta) -> int | None:
     value = meta.extra_info.get("pad_to_length")
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgument(f"meta.extra_info['pad_to_length'] must be an int, got {value!r}")
-    return value
+    return None if value is None else check_int("meta.extra_info['pad_to_length']", value, low=None)
 
 
 def _move(col: Column, device: torch.device) -> Column:

@@ -8,7 +8,7 @@ Synchronous GRPO over Ray actors lives in :mod:`integrations.rl.grpo` (driver),
 single controller: :mod:`integrations.rl.controller` over :mod:`integrations.rl.replay` and
 :mod:`integrations.rl.staleness` (example :mod:`integrations.rl.examples.grpo_async_tiny`). Only public
 ``dataplane`` names are used; Ray is never imported here, and those modules import it only where a
-call needs it. See ``docs/rl.md``.
+call needs it. See ``docs/rl.md`` (the guide) and ``docs/rl/api.md`` (the reference).
 
 >>> import torch
 >>> from integrations.rl import group_advantages

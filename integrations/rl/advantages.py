@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from dataplane import InvalidArgument
+from dataplane.checks import check_number
 
 __all__ = ["explained_variance", "gae", "group_advantages", "right_shift", "sequence_gae", "value_fit_sums"]
 
@@ -92,8 +93,7 @@ def group_advantages(
         group_ids = group_ids.tolist()
     if len(group_ids) != rewards.shape[0]:
         raise InvalidArgument(f"group_ids has {len(group_ids)} ids for {rewards.shape[0]} rewards; pass one id per row")
-    if not eps >= 0:
-        raise InvalidArgument(f"eps must be >= 0, got {eps!r}")
+    check_number("eps", eps, low=0)
     index: dict[Hashable, int] = {}
     try:
         codes = [index.setdefault(g, len(index)) for g in group_ids]
@@ -187,8 +187,7 @@ def gae(token_rewards: Tensor, values: Tensor, *, gamma: float, lam: float) -> t
             f"{token_rewards.dim()}-D and {values.dim()}-D"
         )
     for name, x in (("gamma", gamma), ("lam", lam)):
-        if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0.0 <= x <= 1.0:
-            raise InvalidArgument(f"{name} must be a number in [0, 1], got {x!r}")
+        check_number(name, x, low=0, high=1)
     lengths = _lengths(token_rewards)
     v_lengths = _lengths(values)
     if lengths.shape != v_lengths.shape or not torch.equal(lengths, v_lengths):

@@ -54,6 +54,7 @@ import torch
 
 import dataplane
 from dataplane import DataPlaneTimeout, InvalidArgument
+from dataplane.checks import check_int
 from integrations.rl.grpo import GRPO, GRPOConfig
 from integrations.rl.metering import TrafficMeter, add_totals
 from integrations.rl.policy import ActorFailure, Policy, gather
@@ -94,12 +95,10 @@ class AsyncConfig:
     partition_id: str = "grpo-async"
 
     def __post_init__(self) -> None:
-        for name in ("groups_per_step", "group_size", "capacity", "groups_per_rollout"):
-            value = getattr(self, name)
-            if value is None and name in ("capacity", "groups_per_rollout"):
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgument(f"{name} must be an int >= 1, got {value!r}")
+        for name in ("groups_per_step", "group_size"):
+            check_int(name, getattr(self, name), low=1)
+        for name in ("capacity", "groups_per_rollout"):
+            check_int(name, getattr(self, name), low=1, allow_none=True)
         self.staleness()  # validates max_staleness
         if self.capacity is not None and self.capacity < self.groups_per_step:
             raise InvalidArgument(

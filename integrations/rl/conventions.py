@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from dataplane import InvalidArgument
+from dataplane.checks import check_int, check_number
 from integrations.rl.advantages import right_shift
 
 __all__ = [
@@ -146,8 +147,7 @@ def token_logprobs(logits: Tensor, input_ids: Tensor, *, temperature: float = 1.
         raise InvalidArgument(f"input_ids must be an integer tensor [B, T] = {(b, t)} matching logits, got {got}")
     if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
         raise InvalidArgument(f"input_ids must hold integer token ids, got {input_ids.dtype}; use input_ids.long()")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-        raise InvalidArgument(f"temperature must be a number > 0, got {temperature!r}")
+    check_number("temperature", temperature, low=0, low_open=True)
     out = torch.zeros(b, t, dtype=torch.float32, device=logits.device)
     scaled = logits[:, :-1].float()
     if temperature != 1.0:
@@ -169,8 +169,7 @@ def token_mask(lengths: Sequence[int] | Tensor, width: int) -> Tensor:
                 [False, False, False],
                 [ True,  True,  True]])
     """
-    if isinstance(width, bool) or not isinstance(width, int) or width < 0:
-        raise InvalidArgument(f"width must be an int >= 0, got {width!r}")
+    check_int("width", width, low=0)
     lens = lengths if isinstance(lengths, Tensor) else torch.as_tensor(list(lengths), dtype=torch.int64)
     if lens.dim() != 1 or lens.is_floating_point() or lens.dtype == torch.bool:
         raise InvalidArgument(f"lengths must be a 1-D sequence of ints, got shape {tuple(lens.shape)} {lens.dtype}")

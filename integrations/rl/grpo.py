@@ -36,11 +36,12 @@ from tensordict import TensorDictBase
 from torch import Tensor
 
 from dataplane import DataPlaneClient, InvalidArgument, KVBatchMeta
+from dataplane.checks import check_int
 from integrations.rl.advantages import group_advantages
 from integrations.rl.conventions import ADVANTAGES, PREV_LOGPROBS, REF_LOGPROBS, TAG_UID
 from integrations.rl.losses import ClippedPolicyLoss, LossType
 from integrations.rl.policy import Policy
-from integrations.rl.sync_loop import StepRecord, SyncLoop
+from integrations.rl.sync_loop import StepRecord, SyncLoop, even_parts
 from integrations.rl.weight_sync import WeightSync
 
 __all__ = ["GRPO", "GRPOConfig", "StepRecord", "group_chunks", "zero_std_groups"]
@@ -73,8 +74,7 @@ class GRPOConfig:
     def __post_init__(self) -> None:
         if self.train_step not in ("split", "monolithic"):
             raise InvalidArgument(f"train_step must be 'split' or 'monolithic', got {self.train_step!r}")
-        if isinstance(self.train_chunks, bool) or not isinstance(self.train_chunks, int) or self.train_chunks < 1:
-            raise InvalidArgument(f"train_chunks must be an int >= 1, got {self.train_chunks!r}")
+        check_int("train_chunks", self.train_chunks, low=1)
         ClippedPolicyLoss(clip_low=self.clip, kl_coef=self.kl_coef, loss_type=self.loss_type)  # validates
 
     def loss(self) -> ClippedPolicyLoss:
@@ -87,12 +87,21 @@ def zero_std_groups(rewards: Tensor, uids: list[str]) -> list[str]:
     >>> zero_std_groups(torch.tensor([1.0, 1.0, 0.0, 1.0]), ["a", "a", "b", "b"])
     ['a']
     """
+    return _zero_std(_group_rewards(rewards, uids))
+
+
+def _group_rewards(rewards: Tensor, uids: list[str]) -> dict[str, list[float]]:
+    """uid -> its rows' rewards, in row order (uids in first-seen order)."""
     if rewards.shape != (len(uids),):
         raise InvalidArgument(f"rewards {tuple(rewards.shape)} do not match {len(uids)} uids")
-    seen: dict[str, list[float]] = {}
+    groups: dict[str, list[float]] = {}
     for uid, r in zip(uids, rewards.tolist(), strict=True):
-        seen.setdefault(uid, []).append(r)
-    return [uid for uid, rs in seen.items() if max(rs) == min(rs)]
+        groups.setdefault(uid, []).append(r)
+    return groups
+
+
+def _zero_std(groups: dict[str, list[float]]) -> list[str]:
+    return [uid for uid, rs in groups.items() if max(rs) == min(rs)]
 
 
 def group_chunks(uids: list[str], n: int) -> list[list[int]]:
@@ -106,14 +115,7 @@ def group_chunks(uids: list[str], n: int) -> list[list[int]]:
     for i, uid in enumerate(uids):
         groups.setdefault(uid, []).append(i)
     rows = list(groups.values())
-    n = max(1, min(n, len(rows)))
-    size, rest = divmod(len(rows), n)
-    out, start = [], 0
-    for i in range(n):
-        stop = start + size + (1 if i < rest else 0)
-        out.append([p for g in rows[start:stop] for p in g])
-        start = stop
-    return out
+    return [[p for g in rows[start:stop] for p in g] for start, stop in even_parts(len(rows), n)]
 
 
 class GRPO(SyncLoop):
@@ -149,10 +151,8 @@ class GRPO(SyncLoop):
         if len(uids) != meta.size:
             raise InvalidArgument("the rollout's meta has no uid tag per row; write rollouts with first_write")
         advantages = group_advantages(rewards, uids, normalize_std=cfg.normalize_std)
-        groups: dict[str, list[float]] = {}
-        for uid, r in zip(uids, rewards.tolist(), strict=True):
-            groups.setdefault(uid, []).append(r)
-        dropped = zero_std_groups(rewards, uids)
+        groups = _group_rewards(rewards, uids)
+        dropped = _zero_std(groups)
         gone = set(dropped)
         keep = [i for i, uid in enumerate(uids) if uid not in gone]
         record = StepRecord(

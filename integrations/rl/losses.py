@@ -29,6 +29,7 @@ from tensordict import TensorDictBase
 from torch import Tensor
 
 from dataplane import InvalidArgument
+from dataplane.checks import check_number
 from integrations.rl.conventions import ADVANTAGES, LOSS_MASK, PREV_LOGPROBS, REF_LOGPROBS, RETURNS, VALUES
 
 __all__ = ["ClippedPolicyLoss", "LossOutput", "LossType", "ValueLoss", "clipped_policy_loss", "value_loss"]
@@ -180,10 +181,9 @@ def clipped_policy_loss(
     b, t = _check_outputs(logprobs, "log-probabilities")
     _check_loss_type(loss_type)
     high = clip_low if clip_high is None else clip_high
-    if not (clip_low >= 0 and high >= 0):
-        raise InvalidArgument(f"clip_low and clip_high must be >= 0, got {clip_low!r} and {clip_high!r}")
-    if not kl_coef >= 0:
-        raise InvalidArgument(f"kl_coef must be >= 0, got {kl_coef!r}")
+    check_number("clip_low", clip_low, low=0)
+    check_number("clip_high", clip_high, low=0, allow_none=True)
+    check_number("kl_coef", kl_coef, low=0)
     if kl_estimator not in ("k1", "k3"):
         raise InvalidArgument(f"kl_estimator must be 'k1' or 'k3', got {kl_estimator!r}")
     dtype = _compute_dtype(logprobs)
@@ -237,8 +237,7 @@ class ClippedPolicyLoss:
             kl_estimator=self.kl_estimator,
             loss_type=self.loss_type,
         )
-        if not self.kl_coef >= 0:
-            raise InvalidArgument(f"kl_coef must be >= 0, got {self.kl_coef!r}")
+        check_number("kl_coef", self.kl_coef, low=0)
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -288,8 +287,7 @@ def value_loss(values: Tensor, batch: Batch, *, clip: float | None = None, loss_
     reader = "value_loss"
     b, t = _check_outputs(values, "values")
     _check_loss_type(loss_type)
-    if clip is not None and not clip >= 0:
-        raise InvalidArgument(f"clip must be >= 0 or None, got {clip!r}")
+    check_number("clip", clip, low=0, allow_none=True)
     dtype = _compute_dtype(values)
     mask = _valid_mask(batch, b, t, reader)
     returns = _clean(_field(batch, RETURNS, ((b, t),), reader), mask, dtype)

@@ -36,10 +36,12 @@ from tensordict import TensorDict, TensorDictBase
 from torch import Tensor
 
 from dataplane import DataPlaneError, DataPlaneTimeout, InvalidArgument, KVBatchMeta
+from dataplane.checks import check_int, check_number
 from dataplane.preshard import restore_order, shard_meta_for_dp
 from integrations.rl.conventions import ADVANTAGES, INPUT_IDS, PREV_LOGPROBS, RETURNS, VALUES
 from integrations.rl.split_step import TrainStepError
 from integrations.rl.trainer_actor import ChunkReport, ParamDigest, TrainerActor, WorkerFactory
+from integrations.rl.workers.base import RLWorkerMixin
 
 __all__ = ["ActorFailure", "ActorTimeout", "ChunkResult", "Policy", "TrainResult", "gather", "shard_tensors"]
 
@@ -192,12 +194,10 @@ class Policy:
         equal_rows: bool = False,
     ) -> None:
         for name, value in (("dp", dp), ("tp", tp)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgument(f"{name} must be an int >= 1, got {value!r}")
+            check_int(name, value, low=1)
         if len(actors) != dp * tp:
             raise InvalidArgument(f"{len(actors)} actors for dp={dp} x tp={tp}; give one actor per rank")
-        if not timeout_s > 0:
-            raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s!r}")
+        check_number("timeout_s", timeout_s, low=0, low_open=True)
         self.actors = list(actors)
         self.dp, self.tp = dp, tp
         self.timeout_s = float(timeout_s)
@@ -379,9 +379,7 @@ class Policy:
         )
         if data is not None:
             return restore_order(out, shards)  # type: ignore[no-any-return]
-        for d, (written, shard) in enumerate(zip(out, shards, strict=True)):
-            if shard.size and (not isinstance(written, KVBatchMeta) or written.keys != shard.keys):
-                raise DataPlaneError(f"{kind}({model}): DP rank {d}'s leader wrote no meta for its shard")
+        _check_written(f"{kind}({model})", out, shards)
         return meta.with_fields([out_field])
 
     def sequence_gae(
@@ -397,10 +395,9 @@ class Policy:
                 f"sequence_gae({model})", lambda r, a: a.sequence_gae.remote(shards[r // self.tp], gamma, lam, model)
             )
         )
+        _check_written("sequence_gae", [written for written, _ in out], shards)
         sums: dict[str, float] = {}
-        for d, ((written, part), shard) in enumerate(zip(out, shards, strict=True)):
-            if shard.size and (not isinstance(written, KVBatchMeta) or written.keys != shard.keys):
-                raise DataPlaneError(f"sequence_gae: DP rank {d}'s leader wrote no meta for its shard")
+        for _, part in out:
             for k, v in part.items():
                 sums[k] = sums.get(k, 0.0) + v
         return meta.with_fields([ADVANTAGES, RETURNS]), sums
@@ -412,7 +409,7 @@ class Policy:
         microbatches, ``finish`` in one call per rank)."""
         self._require_closed("train", model)
         shards = self.shard(meta)
-        payloads = self._payloads(data, shards, _train_fields(loss_fn))
+        payloads = self._payloads(data, shards, RLWorkerMixin.train_fields(loss_fn))
         out = self._all(
             f"train({model})", lambda r, a: a.train.remote(shards[r // self.tp], loss_fn, payloads[r // self.tp], model)
         )
@@ -434,7 +431,7 @@ class Policy:
         """Train ``meta``'s rows into ``model``'s open step (sharded on their own: a chunk is a small batch)."""
         loss_fn = self._require_open("train_chunk", model)
         shards = self.shard(meta)
-        payloads = self._payloads(data, shards, _train_fields(loss_fn))
+        payloads = self._payloads(data, shards, RLWorkerMixin.train_fields(loss_fn))
         out = self._all(
             f"train_chunk({model})",
             lambda r, a: a.train_chunk.remote(shards[r // self.tp], payloads[r // self.tp], model),
@@ -496,5 +493,9 @@ class Policy:
                 pass
 
 
-def _train_fields(loss_fn: Any) -> list[str]:
-    return list(dict.fromkeys((INPUT_IDS, *loss_fn.fields)))
+def _check_written(what: str, written: Sequence[Any], shards: Sequence[KVBatchMeta]) -> None:
+    """Every DP rank's leader returned the meta of its shard (rows written back); an empty shard may
+    return anything."""
+    for d, (meta, shard) in enumerate(zip(written, shards, strict=True)):
+        if shard.size and (not isinstance(meta, KVBatchMeta) or meta.keys != shard.keys):
+            raise DataPlaneError(f"{what}: DP rank {d}'s leader wrote no meta for its shard")

@@ -35,6 +35,7 @@ from tensordict import TensorDictBase
 from torch import Tensor
 
 from dataplane import DataPlaneClient, InvalidArgument, KVBatchMeta
+from dataplane.checks import check_int, check_number
 from integrations.rl.advantages import explained_variance, sequence_gae, value_fit_sums
 from integrations.rl.conventions import (
     ADVANTAGES,
@@ -47,7 +48,7 @@ from integrations.rl.conventions import (
 )
 from integrations.rl.losses import ClippedPolicyLoss, LossType, ValueLoss
 from integrations.rl.policy import ChunkResult, Policy
-from integrations.rl.sync_loop import StepRecord, SyncLoop
+from integrations.rl.sync_loop import StepRecord, SyncLoop, even_parts
 from integrations.rl.weight_sync import WeightSync
 
 __all__ = ["PPO", "PPOConfig", "minibatch_rows"]
@@ -89,13 +90,9 @@ class PPOConfig:
         if self.train_step not in ("split", "monolithic"):
             raise InvalidArgument(f"train_step must be 'split' or 'monolithic', got {self.train_step!r}")
         for name in ("epochs", "minibatches", "train_chunks"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgument(f"{name} must be an int >= 1, got {value!r}")
+            check_int(name, getattr(self, name), low=1)
         for name in ("gamma", "lam"):
-            value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
-                raise InvalidArgument(f"{name} must lie in [0, 1], got {value!r}")
+            check_number(name, getattr(self, name), low=0, high=1)
         self.policy_loss()
         self.value_loss()
 
@@ -114,19 +111,7 @@ def minibatch_rows(rows: int, minibatches: int, *, seed: int) -> list[list[int]]
     [[0, 1, 4], [2, 3]]
     """
     order = torch.randperm(rows, generator=torch.Generator().manual_seed(seed)).tolist()
-    return [sorted(order[a:b]) for a, b in _parts(rows, minibatches)]
-
-
-def _parts(rows: int, n: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` of at most ``n`` consecutive parts of ``rows`` whose sizes differ by at most one."""
-    n = max(1, min(n, rows))
-    size, rest = divmod(rows, n)
-    out, start = [], 0
-    for i in range(n):
-        stop = start + size + (1 if i < rest else 0)
-        out.append((start, stop))
-        start = stop
-    return out
+    return [sorted(order[a:b]) for a, b in even_parts(rows, minibatches)]
 
 
 class PPO(SyncLoop):
@@ -196,7 +181,7 @@ class PPO(SyncLoop):
             chunks.append(result.chunk)
             return result.metrics
         self.policy.begin(loss, model=model)
-        for start, stop in _parts(meta.size, cfg.train_chunks):
+        for start, stop in even_parts(meta.size, cfg.train_chunks):
             part = None if data is None else data[start:stop]
             chunks.append(self.policy.train_chunk(meta.slice(start, stop), data=part, model=model))
         return self.policy.finish(model=model)

@@ -23,6 +23,7 @@ without the meta the put never returned.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from dataplane import DataPlaneClient, DataPlaneTimeout, InvalidArgument, KVBatchMeta
+from dataplane.checks import check_int, check_number
 
 __all__ = ["ReplayBuffer", "Slot"]
 
@@ -74,8 +76,7 @@ class ReplayBuffer:
         self, client: DataPlaneClient, *, capacity: int, partition_id: str, group_size: int, uid_prefix: str = "g"
     ) -> None:
         for name, value in (("capacity", capacity), ("group_size", group_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgument(f"{name} must be an int >= 1, got {value!r}")
+            check_int(name, value, low=1)
         self.client = client
         self.capacity, self.partition_id, self.group_size = capacity, partition_id, group_size
         self.uid_prefix = uid_prefix
@@ -90,8 +91,7 @@ class ReplayBuffer:
     def reserve(self, weight_version: int, *, uid: str | None = None, timeout_s: float = 0.0) -> Slot | None:
         """A slot for one group's rollout, or None when the buffer stayed full for ``timeout_s``
         seconds (0: refuse at once). Every wait is bounded: call again to keep waiting."""
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 <= timeout_s < float("inf"):
-            raise InvalidArgument(f"timeout_s must be a finite number >= 0, got {timeout_s!r}")
+        check_number("timeout_s", timeout_s, low=0, high=math.inf, high_open=True)
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while len(self._slots) >= self.capacity:

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from dataplane import InvalidArgument
+from dataplane.checks import check_int, check_number
 from integrations.rl.workers.model import TinyCausalLM
 
 __all__ = ["CountingTask", "Generation", "generate"]
@@ -73,8 +74,8 @@ def generate(
     """
     if prompts.dim() != 2 or prompts.shape[1] < 1 or prompts.dtype != torch.int64:
         raise InvalidArgument(f"prompts must be int64 [B, P] with P >= 1, got {prompts.dtype} {tuple(prompts.shape)}")
-    if max_new_tokens < 1 or not temperature > 0:
-        raise InvalidArgument(f"need max_new_tokens >= 1 and temperature > 0, got {max_new_tokens}, {temperature}")
+    check_int("max_new_tokens", max_new_tokens, low=1, allow_numpy=True)
+    check_number("temperature", temperature, low=0, low_open=True)
     was_training = model.training
     model.eval()
     try:
@@ -129,9 +130,7 @@ class CountingTask:
 
     def __post_init__(self) -> None:
         for name, low in (("vocab_size", 3), ("prompt_len", 1), ("target_len", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise InvalidArgument(f"CountingTask.{name} must be an int >= {low}, got {value!r}")
+            check_int(f"CountingTask.{name}", getattr(self, name), low=low)
         if self.eos_id != 0:
             raise InvalidArgument(
                 f"CountingTask counts through 1..vocab_size-1 and ends at token 0; eos_id must be 0, got {self.eos_id!r}"

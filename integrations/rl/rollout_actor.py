@@ -25,6 +25,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from dataplane import InvalidArgument, KVBatchMeta
+from dataplane.checks import check_int, check_number
 from dataplane.columns import first_write
 from integrations.rl.conventions import GEN_LOGPROBS, INPUT_IDS, LOSS_MASK, REWARD
 from integrations.rl.metering import TrafficMeter
@@ -120,11 +121,8 @@ class RolloutActor:
         latency_s: float = 0.0,
     ) -> None:
         for name, value in (("prompts_per_step", prompts_per_step), ("group_size", group_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgument(f"{name} must be an int >= 1, got {value!r}")
-        if isinstance(latency_s, bool) or not isinstance(latency_s, (int, float)) or not 0 <= latency_s < 3600:
-            raise InvalidArgument(f"latency_s must be a number of seconds in [0, 3600), got {latency_s!r}")
-        self.latency_s = float(latency_s)
+            check_int(name, value, low=1)
+        self.latency_s = check_number("latency_s", latency_s, low=0, high=3600, high_open=True)
         torch.set_num_threads(threads)
         self.config = config
         self.task = task or CountingTask(vocab_size=config.vocab_size)

@@ -38,6 +38,7 @@ from dataplane.worker.collective import comm_device
 
 __all__ = [
     "LossFunction",
+    "OpenStep",
     "PeerFailure",
     "SplitTrainStepMixin",
     "TrainStepError",
@@ -214,7 +215,10 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float | None) 
 
 # -- the step --------------------------------------------------------------------------------------
 @dataclass(slots=True)
-class _Step:
+class OpenStep:
+    """The state of an open split step: its loss, the local count of valid elements so far, each
+    microbatch's local metrics, and how many microbatches ran (dummies included)."""
+
     loss_fn: Any
     count: Tensor
     metrics: list[dict[str, float]] = field(default_factory=list)
@@ -235,6 +239,14 @@ class SplitTrainStepMixin:
 
     ``weight_version`` counts finished steps; it never moves on abort.
 
+    The step's state machine (order of calls, counts, metrics, the version) lives here once. What a
+    training framework does its own way is a method it overrides (the Megatron worker does): how a
+    step opens (:meth:`_open_step`), how one microbatch runs forward and backward
+    (:meth:`_forward_backward`), how the step's counts and metrics reach every rank
+    (:meth:`_global_counts_and_metrics`), how gradients are scaled, synced, clipped and stepped
+    (:meth:`_apply_step`), and what is cleared when a step closes or is dropped (:meth:`_close_step`,
+    :meth:`_drop_step`). The defaults are plain torch and FSDP2.
+
     Failure contract: a second ``begin`` raises :class:`TrainStepError` and leaves the open step as
     it was; ``abort`` is idempotent; an exception in one rank's loss makes every rank of the training
     group raise in that microbatch (the others :class:`PeerFailure`) before any backward, and the
@@ -250,7 +262,7 @@ class SplitTrainStepMixin:
     lr_scheduler: Any | None = None
     max_grad_norm: float | None = 1.0
     weight_version: int = 0
-    _train_step: _Step | None = None
+    _train_step: OpenStep | None = None
 
     # -- hooks ------------------------------------------------------------------------------------
     def train_dp_group(self) -> Any | None:
@@ -279,9 +291,8 @@ class SplitTrainStepMixin:
                 "a train step is already open; finish_train_step() or abort_train_step() it before beginning another"
             )
         _check_loss_fn(loss_fn)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.model.train()
-        self._train_step = _Step(loss_fn=loss_fn, count=torch.zeros((), dtype=torch.float64))
+        self._open_step()
+        self._train_step = OpenStep(loss_fn=loss_fn, count=torch.zeros((), dtype=torch.float64))
 
     def train_microbatch(self, batch: Any, *, dummy: bool = False) -> dict[str, float]:
         """Forward and backward one microbatch.
@@ -295,20 +306,11 @@ class SplitTrainStepMixin:
             this microbatch's local metrics, unnormalised (``loss`` is its sum).
         """
         step = self._require_open("train_microbatch")
-        error: BaseException | None = None
-        out: Any = None
-        try:
-            out = step.loss_fn(self.loss_inputs(batch, step.loss_fn), batch)
-        except Exception as e:
-            error = e
-        self._agree(error)
-        metrics = {"loss": float(out.loss.detach()), **{k: float(v) for k, v in out.metrics.items()}}
+        metrics, count = self._forward_backward(step, batch, dummy)
         if dummy:
-            (out.loss * 0.0).backward()
             metrics = {k: _neutral(k) for k in metrics}
-        else:
-            out.loss.backward()
-            step.count += out.count.detach().to(device="cpu", dtype=torch.float64)
+        elif count is not None:
+            step.count += count
         step.microbatches += 1
         step.metrics.append(metrics)
         return metrics
@@ -323,27 +325,12 @@ class SplitTrainStepMixin:
         """
         step = self._require_open("finish_train_step")
         try:
-            group = self.train_dp_group()
-            totals = torch.stack([step.count, torch.tensor(float(step.microbatches), dtype=torch.float64)])
-            if group is not None:
-                totals = totals.to(comm_device(group))
-                dist.all_reduce(totals, group=group)
-            n, microbatches = (float(x) for x in totals.cpu())
-            metrics = aggregate_metrics(step.metrics, n, group=group)
-            params = [p for p in self.model.parameters() if p.grad is not None]
-            if n > 0:
-                _scale_grads(params, 1.0 / n)
-            norm = clip_grad_norm_(params, self.max_grad_norm)
-            lr = float(self.optimizer.param_groups[0]["lr"])
-            # Every collective of the step is behind us: from here on nothing waits for a peer.
-            if n > 0:
-                self.optimizer.step()
-                if self.lr_scheduler is not None:
-                    self.lr_scheduler.step()
+            n, microbatches, metrics = self._global_counts_and_metrics(step)
+            norm, lr = self._apply_step(n)
         except BaseException:
             self.abort_train_step()
             raise
-        self.optimizer.zero_grad(set_to_none=True)
+        self._close_step()
         self._train_step = None
         self.weight_version += 1
         metrics.update(grad_norm=norm, lr=lr, num_microbatches=microbatches, num_elements=n)
@@ -354,12 +341,73 @@ class SplitTrainStepMixin:
 
         Idempotent; a no-op without an open step.
         """
+        try:
+            self._drop_step()
+        finally:
+            self._train_step = None
+
+    # -- what a training framework overrides -------------------------------------------------------
+    def _open_step(self) -> None:
+        """Ready the model for a step's first microbatch: gradients zeroed, train mode."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.train()
+
+    def _forward_backward(self, step: OpenStep, batch: Any, dummy: bool) -> tuple[dict[str, float], Tensor | None]:
+        """One microbatch's forward, loss (agreed over the training group before any backward) and
+        backward. Returns its local metrics and its count (float64, CPU; None: nothing to count)."""
+        error: BaseException | None = None
+        out: Any = None
+        try:
+            out = step.loss_fn(self.loss_inputs(batch, step.loss_fn), batch)
+        except Exception as e:
+            error = e
+        self._agree(error)
+        metrics = {"loss": float(out.loss.detach()), **{k: float(v) for k, v in out.metrics.items()}}
+        if dummy:
+            (out.loss * 0.0).backward()
+            return metrics, None
+        out.loss.backward()
+        return metrics, out.count.detach().to(device="cpu", dtype=torch.float64)
+
+    def _global_counts_and_metrics(self, step: OpenStep) -> tuple[float, float, dict[str, float]]:
+        """The global ``N``, the DP total of microbatches, and the step's metrics by the naming rule."""
+        group = self.train_dp_group()
+        totals = torch.stack([step.count, torch.tensor(float(step.microbatches), dtype=torch.float64)])
+        if group is not None:
+            totals = totals.to(comm_device(group))
+            dist.all_reduce(totals, group=group)
+        n, microbatches = (float(x) for x in totals.cpu())
+        return n, microbatches, aggregate_metrics(step.metrics, n, group=group)
+
+    def _apply_step(self, n: float) -> tuple[float, float]:
+        """Scale gradients by ``1/n``, clip, step the optimizer and scheduler (not when ``n == 0``).
+        Returns the gradient norm before clipping and the step's learning rate."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if n > 0:
+            _scale_grads(params, 1.0 / n)
+        norm = clip_grad_norm_(params, self.max_grad_norm)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        # Every collective of the step is behind us: from here on nothing waits for a peer.
+        if n > 0:
+            self.optimizer.step()
+            self._step_scheduler()
+        return norm, lr
+
+    def _step_scheduler(self) -> None:
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+
+    def _close_step(self) -> None:
+        """Clear what a finished step leaves (its gradients)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _drop_step(self) -> None:
+        """Clear what a dropped step leaves: gradients, and FSDP2 modules gathered by a forward that raised."""
         self.optimizer.zero_grad(set_to_none=True)
         self._reshard()
-        self._train_step = None
 
     # -- internals --------------------------------------------------------------------------------
-    def _require_open(self, what: str) -> _Step:
+    def _require_open(self, what: str) -> OpenStep:
         if self._train_step is None:
             raise TrainStepError(f"{what}() needs an open step; call begin_train_step(loss_fn) first")
         return self._train_step

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dataplane import InvalidArgument
+from dataplane.checks import check_int
 from integrations.rl.replay import Slot
 
 __all__ = ["StalenessPolicy"]
@@ -37,8 +37,7 @@ class StalenessPolicy:
     ordered: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
-            raise InvalidArgument(f"max_staleness must be an int >= 0, got {self.max_staleness!r}")
+        check_int("max_staleness", self.max_staleness, low=0)
 
     @classmethod
     def on_policy(cls) -> StalenessPolicy:

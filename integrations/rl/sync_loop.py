@@ -34,6 +34,24 @@ __all__ = ["StepRecord", "SyncLoop"]
 log = logging.getLogger(__name__)
 
 
+def even_parts(count: int, n: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of at most ``n`` consecutive parts of ``range(count)`` whose sizes differ by at
+    most one (the first ones larger); one empty part when ``count`` is 0. How GRPO cuts its groups into
+    train chunks (:func:`~integrations.rl.grpo.group_chunks`) and PPO its rows into minibatches and chunks.
+
+    >>> even_parts(5, 2), even_parts(2, 4), even_parts(0, 3)
+    ([(0, 3), (3, 5)], [(0, 1), (1, 2)], [(0, 0)])
+    """
+    n = max(1, min(n, count))
+    size, rest = divmod(count, n)
+    out, start = [], 0
+    for i in range(n):
+        stop = start + size + (1 if i < rest else 0)
+        out.append((start, stop))
+        start = stop
+    return out
+
+
 @dataclass(slots=True, kw_only=True)
 class StepRecord:
     """One step, as the driver saw it.

@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,7 @@ from tensordict import TensorDictBase
 from torch import Tensor
 
 from dataplane import InvalidArgument, KVBatchMeta
+from dataplane.checks import check_int
 from integrations.rl.advantages import sequence_gae, value_fit_sums
 from integrations.rl.conventions import ADVANTAGES, INPUT_IDS, LOSS_MASK, PREV_LOGPROBS, RETURNS, REWARD, VALUES
 from integrations.rl.metering import TrafficMeter
@@ -92,8 +93,8 @@ def row_fingerprint(ids: Tensor) -> int:
 def param_digest(params: Mapping[str, Tensor]) -> ParamDigest:
     """Digest of whole parameters (name -> tensor, in ``state_dict`` order).
 
-    >>> param_digest({"w": torch.ones(2)}).norm
-    1.4142135623730951
+    >>> param_digest({"w": torch.tensor([3.0, 4.0])}).norm  # exact on any CPU (sqrt of 25)
+    5.0
     """
     h = hashlib.sha256()
     sq = torch.zeros((), dtype=torch.float64)
@@ -212,8 +213,7 @@ class TrainerActor:
     """
 
     def __init__(self, rank: int, world: int, *, threads: int = 1, deterministic: bool = False) -> None:
-        if not 0 <= rank < world:
-            raise InvalidArgument(f"rank {rank} must be in [0, {world})")
+        check_int("rank", rank, low=0, high=world - 1, allow_numpy=True)
         self.rank, self.world = rank, world
         torch.set_num_threads(threads)
         if deterministic:
@@ -353,11 +353,7 @@ class TrainerActor:
         replica leader; returns the written meta there, None on its siblings. With ``data`` (the
         shard's padded tensors): return ``[rows, width]`` float32 on the replica leader, None elsewhere.
         """
-        worker = self._worker(model)
-        if data is None:
-            return worker.get_logprobs_presharded(shard, out_field)
-        out = worker.forward_logprobs(self._local(worker, data), shard)
-        return out if worker.is_writeback_leader() else None
+        return self._forward("logprobs", model, shard, out_field, data)
 
     @_step_call
     def values(
@@ -365,10 +361,24 @@ class TrainerActor:
     ) -> KVBatchMeta | Tensor | None:
         """Token-aligned values ``V(s_t)`` of the shard's rows under the value model ``model``; written
         back or returned like :meth:`logprobs`."""
+        return self._forward("values", model, shard, out_field, data)
+
+    def _forward(
+        self,
+        kind: Literal["logprobs", "values"],
+        model: str,
+        shard: KVBatchMeta,
+        out_field: str,
+        data: TensorDictBase | None,
+    ) -> KVBatchMeta | Tensor | None:
+        """:meth:`logprobs` or :meth:`values` (``kind``): written back from the data plane's rows, or
+        computed on ``data`` and returned by the replica leader."""
         worker = self._worker(model)
         if data is None:
-            return worker.get_values_presharded(shard, out_field)
-        out = worker.forward_values(self._local(worker, data), shard)
+            write = worker.get_logprobs_presharded if kind == "logprobs" else worker.get_values_presharded
+            return write(shard, out_field)
+        forward = worker.forward_logprobs if kind == "logprobs" else worker.forward_values
+        out = forward(self._local(worker, data), shard)
         return out if worker.is_writeback_leader() else None
 
     @_step_call

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import dataplane
 from dataplane import DataPlaneClient, InvalidArgument
+from dataplane.checks import check_int, check_number
 from integrations.rl.controller import AsyncConfig, AsyncGRPO
 from integrations.rl.grpo import GRPO, GRPOConfig
 from integrations.rl.metering import add_totals
@@ -76,12 +77,9 @@ class Options:
             self.async_config()  # validates --max-staleness and --capacity
         if self.transport not in ("dataplane", "inline"):
             raise InvalidArgument(f"--transport must be 'dataplane' or 'inline', got {self.transport!r}")
-        if not 0 <= self.rollout_latency < 3600:
-            raise InvalidArgument(f"--rollout-latency must be in [0, 3600) seconds, got {self.rollout_latency!r}")
+        check_number("--rollout-latency", self.rollout_latency, low=0, high=3600, high_open=True)
         for name in ("steps", "dp", "tp", "prompts_per_step", "group_size", "max_new_tokens", "rollout_actors"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgument(f"{name} must be an int >= 1, got {value!r}")
+            check_int(name, getattr(self, name), low=1)
         if self.device not in ("cpu", "cuda"):
             raise InvalidArgument(f"--device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.device == "cuda":

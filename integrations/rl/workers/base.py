@@ -33,7 +33,8 @@ import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
 from torch import Tensor, nn
 
-from dataplane import InvalidArgument, KVBatchMeta
+from dataplane import KVBatchMeta
+from dataplane.checks import check_int
 from dataplane.worker import DataPlaneWorkerMixin, ErrorInfo, error_from_info, microbatch_plan
 from dataplane.worker.collective import comm_device
 from integrations.rl.conventions import INPUT_IDS, LOSS_MASK, PREV_LOGPROBS, VALUES, shift_to_tokens, token_logprobs
@@ -137,8 +138,16 @@ class RLWorkerMixin(SplitTrainStepMixin, DataPlaneWorkerMixin):
         data = self.fetch_agreed(meta, self.train_fields(step.loss_fn))
         return self.train_microbatches(data, meta)
 
-    def train_fields(self, loss_fn: Any) -> list[str]:
-        """The fields a train step with ``loss_fn`` reads: ``input_ids`` and the loss's fields."""
+    @staticmethod
+    def train_fields(loss_fn: Any) -> list[str]:
+        """The fields a train step with ``loss_fn`` reads: ``input_ids`` and the loss's fields (the
+        driver's :class:`~integrations.rl.policy.Policy` ships the same ones to trainers without a
+        data plane).
+
+        >>> from integrations.rl.losses import ValueLoss
+        >>> RLWorkerMixin.train_fields(ValueLoss())
+        ['input_ids', 'loss_mask', 'returns']
+        """
         return list(dict.fromkeys((INPUT_IDS, *loss_fn.fields)))
 
     def train_microbatches(self, data: TensorDictBase, meta: KVBatchMeta) -> list[dict[str, float]]:
@@ -207,8 +216,7 @@ class RLWorkerMixin(SplitTrainStepMixin, DataPlaneWorkerMixin):
         plan = microbatch_plan(meta)
         if plan is None:
             rows = meta.size
-            if micro_batch_size is not None and (isinstance(micro_batch_size, bool) or micro_batch_size < 1):
-                raise InvalidArgument(f"micro_batch_size must be an int >= 1 or None, got {micro_batch_size!r}")
+            check_int("micro_batch_size", micro_batch_size, low=1, allow_none=True, allow_numpy=True)
             size = micro_batch_size or rows or 1
             plan = [list(range(s, min(s + size, rows))) for s in range(0, rows, size)]
         count = torch.tensor([len(plan)], dtype=torch.int64)

@@ -52,9 +52,10 @@ from tensordict import TensorDictBase
 from torch import Tensor
 
 from dataplane import InvalidArgument, KVBatchMeta
+from dataplane.checks import check_number
 from dataplane.worker.collective import comm_device
 from integrations.rl.conventions import INPUT_IDS, shift_to_tokens
-from integrations.rl.split_step import TrainStepError, _check_loss_fn, _neutral, _Step, aggregate_metrics
+from integrations.rl.split_step import OpenStep, aggregate_metrics
 from integrations.rl.workers.base import RLWorkerMixin, eval_mode
 
 __all__ = ["MegatronRLWorkerMixin", "TinyMegatronWorker", "megatron_token_logprobs", "tiny_megatron_gpt"]
@@ -75,8 +76,7 @@ def megatron_token_logprobs(logits: Tensor, input_ids: Tensor, *, temperature: f
     """
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    if temperature <= 0:
-        raise InvalidArgument(f"temperature must be > 0, got {temperature!r}")
+    check_number("temperature", temperature, low=0, low_open=True)
     b, t = input_ids.shape
     out = torch.zeros(b, t, dtype=torch.float32, device=logits.device)
     if t > 1:
@@ -251,14 +251,9 @@ class MegatronRLWorkerMixin(RLWorkerMixin):
             )
         return self._loss_inputs_from_output(self.megatron_forward(self.model, input_ids), input_ids, kind)
 
-    # -- the split step ---------------------------------------------------------------------------
-    def begin_train_step(self, loss_fn: Any) -> None:
-        """Open a step: gradient buffers zeroed, Megatron's sync hooks saved and nulled (see the module docstring)."""
-        if self._train_step is not None:
-            raise TrainStepError(
-                "a train step is already open; finish_train_step() or abort_train_step() it before beginning another"
-            )
-        _check_loss_fn(loss_fn)
+    # -- the split step: what differs from FSDP2 (SplitTrainStepMixin runs the step) ----------------
+    def _open_step(self) -> None:
+        """Gradient buffers zeroed, Megatron's sync hooks saved and nulled (see the module docstring)."""
         self._ps()
         config = self.megatron_config()
         self._saved_hooks = {name: getattr(config, name) for name in _HOOKS}
@@ -272,19 +267,11 @@ class MegatronRLWorkerMixin(RLWorkerMixin):
         except BaseException:
             self._restore_hooks()
             raise
-        self._train_step = _Step(loss_fn=loss_fn, count=torch.zeros((), dtype=torch.float64))
 
-    def train_microbatch(self, batch: Any, *, dummy: bool = False) -> dict[str, float]:
-        """Forward and backward one microbatch through Megatron's schedule, gradients kept local.
-
-        Every rank of the model calls it the same number of times per step (``dummy=True`` for a
-        rank's padding microbatch: zero loss, no count, neutral metrics). On any exception the step
-        is aborted (hooks restored, gradients zeroed) and the exception re-raised.
-
-        Returns:
-            this microbatch's local metrics on the last pipeline stage (``{}`` on the others).
-        """
-        step = self._require_open("train_microbatch")
+    def _forward_backward(self, step: OpenStep, batch: Any, dummy: bool) -> tuple[dict[str, float], Tensor | None]:
+        """One microbatch through Megatron's schedule, gradients kept local; its metrics and count on
+        the last pipeline stage (``{}`` and None on the others). On any exception the step is aborted
+        (hooks restored, gradients zeroed) and the exception re-raised."""
         self._microbatch_error = None
         try:
             with self.model.no_sync():
@@ -294,19 +281,11 @@ class MegatronRLWorkerMixin(RLWorkerMixin):
         except BaseException:
             self.abort_train_step()
             raise
-        metrics: dict[str, float] = {}
-        if outs:
-            out = outs[0]
-            metrics = dict(out["metrics"])
-            if dummy:
-                metrics = {k: _neutral(k) for k in metrics}
-            else:
-                step.count += out["count"]
-        step.microbatches += 1
-        step.metrics.append(metrics)
-        return metrics
+        if not outs:
+            return {}, None
+        return dict(outs[0]["metrics"]), None if dummy else outs[0]["count"]
 
-    def _train_loss(self, step: _Step, dummy: bool) -> Callable[[Tensor, Any], Any]:
+    def _train_loss(self, step: OpenStep, dummy: bool) -> Callable[[Tensor, Any], Any]:
         def loss_func(output: Tensor, mb: Any) -> tuple[Tensor, Tensor, dict[str, Any]]:
             one = torch.ones((), dtype=torch.int, device=output.device)
             try:
@@ -324,58 +303,40 @@ class MegatronRLWorkerMixin(RLWorkerMixin):
 
         return loss_func
 
-    def finish_train_step(self) -> dict[str, float]:
-        """Normalise by the global count, run Megatron's gradient finalisation once, step; close the step.
-
-        Returns:
-            the step's metrics (the same on every rank): the loss's by the naming rule, plus ``loss``,
-            ``grad_norm`` (Megatron's optimizer's, before clipping), ``lr``, ``num_microbatches`` and
-            ``num_elements`` (the global ``N``). With ``N == 0`` the optimizer does not step.
-        """
+    def _apply_step(self, n: float) -> tuple[float, float]:
+        """Apply the true normaliser, run Megatron's gradient finalisation once, step Megatron's
+        optimizer (which clips) and the scheduler. ``grad_norm`` is the optimizer's, before clipping."""
         from megatron.core.distributed import finalize_model_grads
 
-        step = self._require_open("finish_train_step")
-        try:
-            ps = self._ps()
-            n, microbatches, metrics = self._global_counts_and_metrics(step, ps)
-            config = self.megatron_config()
-            if n > 0:
-                # Megatron's DDP multiplies gradients by 1/DP before its sum unless the model computes
-                # a per-token loss; cancel that so the result is sum / N.
-                dp = (
-                    1
-                    if config.calculate_per_token_loss
-                    else ps.get_data_parallel_world_size(with_context_parallel=True)
-                )
-                self.model.scale_gradients(dp / n)
-            if self.model.ddp_config.overlap_grad_reduce:
-                self.model.start_grad_sync()  # nothing was dispatched under no_sync: finalize waits on this
-            saved = (self._saved_hooks or {}).get("finalize_model_grads_func")
-            (saved or finalize_model_grads)([self.model], None)
-            lr = float(self.optimizer.param_groups[0]["lr"])
-            norm = 0.0
-            if n > 0:
-                _, grad_norm, _ = self.optimizer.step()
-                norm = float(grad_norm) if grad_norm is not None else 0.0
-                if self.lr_scheduler is not None:
-                    if hasattr(self.lr_scheduler, "num_steps"):  # Megatron's OptimizerParamScheduler
-                        self.lr_scheduler.step(increment=self.lr_scheduler_increment)
-                    else:
-                        self.lr_scheduler.step()
-        except BaseException:
-            self.abort_train_step()
-            raise
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        self._restore_hooks()
-        self._train_step = None
-        self.weight_version += 1
-        metrics.update(grad_norm=norm, lr=lr, num_microbatches=microbatches, num_elements=n)
-        return metrics
+        ps = self._ps()
+        config = self.megatron_config()
+        if n > 0:
+            # Megatron's DDP multiplies gradients by 1/DP before its sum unless the model computes
+            # a per-token loss; cancel that so the result is sum / N.
+            dp = 1 if config.calculate_per_token_loss else ps.get_data_parallel_world_size(with_context_parallel=True)
+            self.model.scale_gradients(dp / n)
+        if self.model.ddp_config.overlap_grad_reduce:
+            self.model.start_grad_sync()  # nothing was dispatched under no_sync: finalize waits on this
+        saved = (self._saved_hooks or {}).get("finalize_model_grads_func")
+        (saved or finalize_model_grads)([self.model], None)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        norm = 0.0
+        if n > 0:
+            _, grad_norm, _ = self.optimizer.step()
+            norm = float(grad_norm) if grad_norm is not None else 0.0
+            self._step_scheduler()
+        return norm, lr
 
-    def _global_counts_and_metrics(self, step: _Step, ps: Any) -> tuple[float, float, dict[str, float]]:
+    def _step_scheduler(self) -> None:
+        if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "num_steps"):  # OptimizerParamScheduler
+            self.lr_scheduler.step(increment=self.lr_scheduler_increment)
+        elif self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+
+    def _global_counts_and_metrics(self, step: OpenStep) -> tuple[float, float, dict[str, float]]:
         """``N``, the DP total of microbatches and the aggregated metrics, from the last pipeline stage
         (where the loss runs) to every stage."""
+        ps = self._ps()
         group = self.train_dp_group()
         device = self.compute_device()
         totals = torch.stack([step.count, torch.tensor(float(step.microbatches), dtype=torch.float64)]).to(device)
@@ -393,15 +354,17 @@ class MegatronRLWorkerMixin(RLWorkerMixin):
             metrics = box[0]
         return n, microbatches, metrics
 
-    def abort_train_step(self) -> None:
-        """Drop the open step: gradient buffers zeroed, hooks restored, parameters, optimizer state and
-        version untouched. Idempotent; a no-op without an open step."""
+    def _close_step(self) -> None:
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._restore_hooks()
+
+    def _drop_step(self) -> None:
         try:
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
         finally:
             self._restore_hooks()
-            self._train_step = None
 
     def _restore_hooks(self) -> None:
         saved, self._saved_hooks = self._saved_hooks, None

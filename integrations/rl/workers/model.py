@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dataplane import InvalidArgument
+from dataplane.checks import check_int
 from integrations.rl.workers.dtensor import use_sum_reduction
 
 __all__ = ["TinyCausalLM", "TinyConfig", "shard_tiny_model", "tp_plan"]
@@ -52,9 +53,7 @@ class TinyConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgument(f"TinyConfig.{name} must be an int >= 1, got {value!r}")
+            check_int(f"TinyConfig.{name}", getattr(self, name), low=1)
         if self.dim % self.n_heads:
             raise InvalidArgument(f"TinyConfig.dim={self.dim} must divide by n_heads={self.n_heads}")
         if self.head not in ("lm", "value"):

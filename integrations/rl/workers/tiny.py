@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dataplane import InvalidArgument
+from dataplane.checks import check_int
 from integrations.rl.workers.dtensor import DTensorRLWorkerMixin
 from integrations.rl.workers.model import TinyCausalLM, TinyConfig, shard_tiny_model
 
@@ -58,7 +59,8 @@ class TinyDTensorWorker(DTensorRLWorkerMixin):
         if not dist.is_initialized():
             raise InvalidArgument("initialise torch.distributed (init_process_group) on every rank before the worker")
         world = dist.get_world_size()
-        if tp < 1 or world % tp:
+        check_int("tp", tp, low=1, allow_numpy=True)
+        if world % tp:
             raise InvalidArgument(f"tp={tp} must be >= 1 and divide the world size {world}")
         self.config = config or TinyConfig()
         self.device_mesh = init_device_mesh(device, (world // tp, tp), mesh_dim_names=("dp", "tp"))
