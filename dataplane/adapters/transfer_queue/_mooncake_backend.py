@@ -59,7 +59,6 @@ __all__ = ["MooncakeData", "ReadPlan", "Tokens", "key_prefix", "new_version", "o
 log = logging.getLogger(__name__)
 
 CHUNK_KEYS = 400  # keys per batch call (large cross-process batches fail in Mooncake's TCP lanes)
-CHECK_KEYS = 8192  # keys per existence check (a call to the master alone: ~2 ms for 8,192 keys)
 _THREADS = 4
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -91,6 +90,7 @@ def _executor() -> ThreadPoolExecutor:
 # A row removed while it was read: gone (-704), not written yet (-703), or of another size than the
 # controller recorded (-600 for a buffer too small, or a short read: only a foreign writer does that).
 _CHANGED = (-600, -703, -704, -707)
+_UNCHECKED = -1_000_000  # a read whose existence check the master did not answer
 _RETRIES = 4
 
 
@@ -244,28 +244,31 @@ class MooncakeData:
                         keys.append(f"{gi}:{t}{suffix}")
                         ptrs.append(base + a * es)
                         sizes.append((b - a) * es)
-            got = self._batches(self._store.batch_get_into, keys, ptrs, sizes)
+            got = self._batches(self._read_checked, keys, ptrs, sizes)
             changed = [k for k, g, s in zip(keys, got, sizes, strict=True) if g in _CHANGED or (g >= 0 and g != s)]
             if changed:
                 raise RowsChanged(f"{len(changed)} of {len(keys)} rows changed while being read, e.g. {changed[0]!r}")
+            if any(g == _UNCHECKED for g in got):
+                raise BackendUnavailable(
+                    f"Mooncake could not say whether the {len(keys)} objects it just read still exist; is the "
+                    "mooncake_master alive?"
+                )
             self._raise("get", keys, got)
-            # every object still there after the read was never removed, so its memory never went to
-            # another put while we read it (a token's objects are never written twice)
-            there = [
-                e for i in range(0, len(keys), CHECK_KEYS) for e in self._store.batch_is_exist(keys[i : i + CHECK_KEYS])
-            ]
-            gone = [k for k, e in zip(keys, there, strict=True) if e != 1]
-            if gone:
-                if any(e < 0 for e in there):
-                    raise BackendUnavailable(
-                        f"Mooncake could not say whether {len(gone)} objects it just read still exist, e.g. "
-                        f"{gone[0]!r}; is the mooncake_master alive?"
-                    )
-                raise RowsChanged(f"{len(gone)} of {len(keys)} rows were removed while being read, e.g. {gone[0]!r}")
             return out
         finally:
             for ptr in registered:
                 self._store.unregister_buffer(ptr)
+
+    def _read_checked(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        """``batch_get_into``, then keep only what is still there: an object removed during or
+        before the read counts as gone (``-704``). Every object still there after the read was never
+        removed, so its memory never went to another put while it was read (a token's objects are
+        never written twice). ``_UNCHECKED``: the master did not answer the check."""
+        got = list(self._store.batch_get_into(keys, ptrs, sizes))
+        if any(g < 0 for g in got):
+            return got  # read again anyway
+        there = self._store.batch_is_exist(keys)
+        return [g if e == 1 else -704 if e == 0 else _UNCHECKED for g, e in zip(got, there, strict=True)]
 
     def remove(self, global_indexes: Sequence[int], tokens: Sequence[Tokens]) -> None:
         """Remove the objects ``tokens`` names for each row at ``global_indexes`` (forced: a read's

@@ -8,7 +8,9 @@ Controller round trips (ZMQ requests to the ``TransferQueueController``), measur
   tags and which keys exist), the storage write with its data-update notify, and one
   ``set_custom_meta`` that commits row tags, markers and new schemas together. A write-back of
   existing rows without tags that leaves their markers as they were (on SimpleStorage: the same
-  field set as the rows' last put; on Mooncake: no new field) skips the last one (2).
+  field set as the rows' last put; on Mooncake: no new field) skips the last one (2). On Mooncake,
+  a put of fields that rows already hold also asks for the tokens of the objects it replaces, sent
+  beside the storage write (one request per set of such fields, usually one).
 * get by meta (schema carried in ``meta.extra_info`` by the put): 1, like TQ's ``kv_batch_get``.
   The carried schema is checked against what the rows were written with (TQ's record of each field
   on Mooncake, the blobs' schema tokens on SimpleStorage); on a mismatch the get reads the schema
