@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import math
 import os
 import platform
@@ -34,6 +35,7 @@ __all__ = [
     "median",
     "median_ci95",
     "paired",
+    "quiet_torch_fx_notice",
     "report_head",
     "stats",
     "timed",
@@ -49,6 +51,26 @@ _PACKAGES = (
     "mooncake-transfer-engine-non-cuda",
     "mooncake-transfer-engine",
 )
+
+
+_FX_NOTICE = "is_fx_tracing will return true"
+
+
+def _not_fx_notice(record: logging.LogRecord) -> bool:
+    return _FX_NOTICE not in record.getMessage()
+
+
+def quiet_torch_fx_notice() -> None:
+    """Drop the one notice torch 2.13 logs (once per process, at WARNING, on the logger
+    ``torch.fx._symbolic_trace``) the first time anything calls
+    ``torch.nested.nested_tensor_from_jagged``: "is_fx_tracing will return true for both
+    fx.symbolic_trace and torch.export ...". It is about torch's own tracing API, says nothing about
+    a benchmark, and would be the first line every benchmark prints (the batch builder, the raw
+    backends and the readers all build nested tensors with torch's constructor). Only that message
+    is filtered; the logger's other records pass. Idempotent; the package does it on import."""
+    logger = logging.getLogger("torch.fx._symbolic_trace")
+    if _not_fx_notice not in logger.filters:
+        logger.addFilter(_not_fx_notice)
 
 
 def _gpus() -> list[str]:

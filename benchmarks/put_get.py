@@ -43,7 +43,7 @@ import torch
 import dataplane
 from benchmarks.backends import BenchBackend, RawTimes, all_backends
 from benchmarks.harness import default_out, machine_info, machine_label, median, paired
-from benchmarks.put_get_report import format_table, noisy_figures, plot, spread, to_markdown
+from benchmarks.put_get_report import format_table, noisy_figures, noisy_summary, plot, spread, to_markdown
 from benchmarks.readers import ReaderPool
 from benchmarks.workload import Batch, flat_views, in_client_memory, make_batch
 
@@ -568,8 +568,13 @@ def write_outputs(report: dict[str, Any], paths: dict[str, Path]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     report = run(args)
-    print(format_table(report))
-    written = write_outputs(report, output_paths(args, report["machine"]))
+    print(format_table(report, notes=False))  # each noisy figure's value and why: in the files only
+    paths = output_paths(args, report["machine"])
+    written = write_outputs(report, paths)
+    kept = [str(paths[ext]) for ext in ("md", "json") if ext in paths]
+    summary = noisy_summary(report, " and ".join(kept) if kept else "rerun without --no-output to keep them")
+    if summary:
+        print(summary)
     if written:
         print(f"wrote {', '.join(written)}")
         print("(--out STEM to write elsewhere, --no-output for no files; --help lists every option)")

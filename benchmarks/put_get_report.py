@@ -19,7 +19,16 @@ from benchmarks.backends import PUT_FROM
 from benchmarks.harness import machine_line
 from benchmarks.workload import human_bytes
 
-__all__ = ["CEILING_FACTOR", "SPREAD_LIMIT", "format_table", "noisy_figures", "plot", "spread", "to_markdown"]
+__all__ = [
+    "CEILING_FACTOR",
+    "SPREAD_LIMIT",
+    "format_table",
+    "noisy_figures",
+    "noisy_summary",
+    "plot",
+    "spread",
+    "to_markdown",
+]
 
 SPREAD_LIMIT = 0.5
 CEILING_FACTOR = 1.3
@@ -92,11 +101,12 @@ _COLUMNS = (
 )
 
 
-def format_table(report: dict[str, Any]) -> str:
-    """The results as a text table, the noisy figures' values and reasons under it."""
+def format_table(report: dict[str, Any], *, notes: bool = True) -> str:
+    """The results as a text table, the noisy figures' values and reasons under it (the markdown's
+    table; ``notes=False``: without them, what the terminal gets beside :func:`noisy_summary`)."""
     head = ("backend", "put from", "payload", "fields", "layout", *(c for c, _ in _COLUMNS))
     rows = [head]
-    notes = []
+    noted = []
     for r in report["results"]:
         rows.append((
             r["backend"], r["put_from"], human_bytes(r["payload_bytes"]), str(r["n_fields"]), r["layout"],
@@ -105,19 +115,42 @@ def format_table(report: dict[str, Any]) -> str:
         for fig, why in r["noisy"].items():
             if fig in _TIMINGS or fig in _PAIRED:  # the memcpy ratios follow from the figures
                 label = {f: c for c, f in _COLUMNS}[fig]
-                notes.append(
+                noted.append(
                     f"  {r['backend']} ({r['put_from']}) {human_bytes(r['payload_bytes'])} x{r['n_fields']} "
                     f"{r['layout']}: {label} {r[fig]:.2f}: {why}"
                 )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    if notes:
-        lines += ["", "noisy (not results; rerun on a quieter machine or with more --repeat):", *notes]
+    if noted and notes:
+        lines += ["", "noisy (not results; rerun on a quieter machine or with more --repeat):", *noted]
     for name, status in report["backends"].items():
         if status != "ok":
             lines.append(f"skipped {name}: {status}")
     return "\n".join(lines)
+
+
+def noisy_summary(report: dict[str, Any], where: str) -> str | None:
+    """One line for the terminal about the figures the table marks ``noisy`` (None when none is):
+    how many, where each one's value and reason are (``where``: the report's files), and the
+    ``--repeat`` to try.
+
+    >>> rows = [{"noisy": {"put_gbps": "...", "put_vs_memcpy": "..."}, "put_gbps": 1.0}, {"noisy": {}}]
+    >>> noisy_summary({"results": rows, "config": {"repeat": 5}}, "run.md and run.json")
+    '2 figures in 1 of 2 rows are noisy (marked in the table, not results; each value and why: run.md and run.json); rerun with --repeat 10 (this run: 5) or on a quieter machine'
+    """
+    rows = report["results"]
+    cells = sum(len(r["noisy"]) for r in rows)
+    if not cells:
+        return None
+    hit = sum(1 for r in rows if r["noisy"])
+    repeat = int(report["config"]["repeat"])
+    figures = "figure" if cells == 1 else "figures"
+    verb = "is" if cells == 1 else "are"
+    return (
+        f"{cells} {figures} in {hit} of {len(rows)} rows {verb} noisy (marked in the table, not results; each value "
+        f"and why: {where}); rerun with --repeat {2 * repeat} (this run: {repeat}) or on a quieter machine"
+    )
 
 
 def _ceilings_table(report: dict[str, Any]) -> list[str]:

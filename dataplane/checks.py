@@ -1,23 +1,29 @@
-"""Argument checks for scalars: an int in a range, a number in a range.
+"""Argument checks for scalars: an int in a range, a number in a range, a size in bytes.
 
-Both raise :class:`~dataplane.errors.InvalidArgument` with one message style that names the
-parameter, the range and the value given (``"dp must be an int >= 1, got 0"``), and both refuse
+Each raises :class:`~dataplane.errors.InvalidArgument` with one message style that names the
+parameter, the range and the value given (``"dp must be an int >= 1, got 0"``), and each refuses
 ``bool``: ``True`` is never a count nor a number here. Public, so the layers above the core
-(``integrations``) use the same checks::
+(``integrations``, third-party adapters) use the same checks::
 
-    from dataplane.checks import check_int, check_number
+    from dataplane.checks import check_bytes, check_int, check_number, parse_bytes
+
+:func:`check_bytes` is the one size syntax of every byte-count option of every backend
+(``capacity_bytes``, ``segment_bytes``, ...): ``67108864``, ``"64MiB"``, ``"64MB"``, ``"1GiB"``,
+``"1.5G"``, ``"1e9"``, the same in a URL, a keyword or a config object.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
+import re
 from typing import Literal, overload
 
 import numpy as np
 
 from dataplane.errors import InvalidArgument
 
-__all__ = ["check_int", "check_number"]
+__all__ = ["SIZE_EXAMPLES", "check_bytes", "check_int", "check_number", "parse_bytes"]
 
 
 def _range(low: object, high: object, low_open: bool, high_open: bool) -> str:
@@ -173,4 +179,88 @@ def check_number(
     ):
         bounds = _range(low, high, low_open, high_open)
         raise InvalidArgument(f"{name} must be a number{bounds}{' or None' if allow_none else ''}, got {value!r}")
+    return number
+
+
+SIZE_EXAMPLES = "67108864, 64MiB, 1GiB or 1.5GB"
+"""What a message suggests where a size is expected."""
+
+# a number (decimal or exponent form), then an optional unit: K, M, G or T, each with an optional
+# "i" and an optional "B" (KiB, KB, K, Ki), or B alone
+_SIZE_RE = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(e[+-]?[0-9]+)?\s*(?:([kmgt])(i?)b?|b)?", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(value: object) -> int:
+    """A size in bytes from an int or a str (:func:`check_bytes` names the option and bounds it).
+
+    Units are binary whether or not they say so, as Mooncake reads them (``"1GB"`` and ``"1GiB"``
+    are both 2**30 bytes); case and a space before the unit do not matter; a fraction of a byte is
+    dropped.
+
+    Raises:
+        InvalidArgument: ``value`` is not a size (a bool, a negative number and NaN included).
+
+    >>> parse_bytes("64MiB"), parse_bytes("1GB"), parse_bytes("1.5 g"), parse_bytes("1e9"), parse_bytes(4096)
+    (67108864, 1073741824, 1610612736, 1000000000, 4096)
+    """
+    number = _size(value)
+    if number is None or number < 0:
+        raise InvalidArgument(f"not a size: {value!r}; give bytes as {SIZE_EXAMPLES}")
+    return number
+
+
+def _size(value: object) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        number = float(value)
+        return int(number) if math.isfinite(number) else None
+    if not isinstance(value, str):
+        return None
+    m = _SIZE_RE.fullmatch(value.strip())
+    if m is None:
+        return None
+    digits, exponent, unit, _ = m.groups()
+    scale = _UNITS[(unit or "").lower()]
+    if exponent is None and "." not in digits:
+        return int(digits) * scale  # exact, however large
+    number = float(digits + (exponent or "")) * scale
+    return int(number) if math.isfinite(number) else None
+
+
+@overload
+def check_bytes(name: str, value: object, *, low: int = ..., allow_none: Literal[False] = ...) -> int: ...
+@overload
+def check_bytes(name: str, value: object, *, low: int = ..., allow_none: bool) -> int | None: ...
+def check_bytes(name: str, value: object, *, low: int = 0, allow_none: bool = False) -> int | None:
+    """``value`` as a byte count ``>= low``: an int, or a size such as ``"64MiB"`` (as :func:`parse_bytes`).
+
+    The one parser of every byte-count option of every backend, whether the option comes from a
+    URL query, a keyword or a config object.
+
+    Args:
+        name: the option, as the message names it (``"capacity_bytes"``).
+        value: what the caller gave.
+        low: the smallest count allowed.
+        allow_none: let ``None`` through (returned as is: "unbounded").
+
+    Raises:
+        InvalidArgument: ``value`` is not a size (a bool included), or is below ``low``.
+
+    >>> check_bytes("capacity_bytes", "64MiB")
+    67108864
+    >>> check_bytes("segment_bytes", "lots")
+    Traceback (most recent call last):
+    ...
+    dataplane.errors.InvalidArgument: segment_bytes must be a size in bytes >= 0 (67108864, 64MiB, 1GiB or 1.5GB), got 'lots'
+    """
+    if value is None and allow_none:
+        return None
+    number = _size(value)
+    if number is None or number < low:
+        also = " or None" if allow_none else ""
+        raise InvalidArgument(f"{name} must be a size in bytes >= {low}{also} ({SIZE_EXAMPLES}), got {value!r}")
     return number

@@ -7,6 +7,7 @@ new meta whose keys, sequence lengths and tags stay aligned row by row.
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -18,10 +19,52 @@ from dataplane.errors import InvalidArgument, SchemaError
 __all__ = ["MAX_KEY_LEN", "KVBatchMeta", "RowInfo", "check_keys", "trusted_meta"]
 
 MAX_KEY_LEN = 512
+"""The most characters a key holds (a uid longer than this: store a hash of it, e.g. its sha256 hex)."""
+
+# what no key may hold: NUL (C strings and SQLite end there) and lone surrogates (not Unicode text:
+# they cannot be encoded as UTF-8, which every backend's wire format and msgpack need)
+_BAD_KEY_CHAR = re.compile("[\x00\ud800-\udfff]")
+
+
+def _key_problem(k: object) -> str | None:
+    """Why ``k`` is not a key (the rule of :func:`check_keys`), or None."""
+    if not isinstance(k, str):
+        return f"every key must be a str, got {type(k).__name__} ({k!r}); mint keys like f'{{uid}}_g{{i}}'"
+    if not k:
+        return "keys must be non-empty strings, got ''"
+    if len(k) > MAX_KEY_LEN:
+        return (
+            f"key {k[:40]!r}... has {len(k)} characters, over the {MAX_KEY_LEN} a key holds; use a digest of "
+            "longer ids (hashlib.sha256(uid.encode()).hexdigest())"
+        )
+    bad = _BAD_KEY_CHAR.search(k)
+    if bad is not None:
+        what = "NUL ('\\x00')" if bad.group() == "\x00" else f"a lone surrogate ({bad.group()!r}: not Unicode text)"
+        return f"key {k[:40]!r} holds {what} at index {bad.start()}; drop or replace it (every other character is fine)"
+    return None
 
 
 def check_keys(keys: object, *, what: str = "keys", allow_empty: bool = False) -> list[str]:
-    """``keys`` as a list, or raises: each a str of 1-512 printable characters, none repeated."""
+    """``keys`` as a list, or raises: the one key rule of every backend, checked before any adapter
+    sees a key.
+
+    A key is any ``str`` of 1 to :data:`MAX_KEY_LEN` (512) characters without NUL (``"\\x00"``) and
+    without lone surrogates: non-ASCII, whitespace, control characters, ``/``, ``:``, ``@``, ``..`` are
+    all fine. Keys are compared as they are, code point by code point: two spellings of one text in
+    different Unicode normal forms are two keys (normalise uids yourself, ``unicodedata.normalize``,
+    where a dataset mixes forms). A batch's keys are unique.
+
+    Raises:
+        SchemaError: ``keys`` is not a list (or tuple) of ``str``.
+        InvalidArgument: a key breaks the rule, or is repeated.
+
+    >>> check_keys(["ключ", "鍵", "a b", "k:1@f"])
+    ['ключ', '鍵', 'a b', 'k:1@f']
+    >>> check_keys(["a\\x00b"])
+    Traceback (most recent call last):
+    ...
+    dataplane.errors.InvalidArgument: key 'a\\x00b' holds NUL ('\\x00') at index 1; drop or replace it (every other character is fine)
+    """
     if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
         raise SchemaError(f"{what} must be a list of str, got {type(keys).__name__}")
     out = list(keys)
@@ -31,14 +74,16 @@ def check_keys(keys: object, *, what: str = "keys", allow_empty: bool = False) -
         raise InvalidArgument(f"{what} is empty; give at least one key")
     # C-level passes first (a batch has hundreds of keys); the loop names the bad key
     lengths = set(map(len, out)) if set(map(type, out)) == {str} else None
-    if not (lengths is not None and min(lengths) > 0 and max(lengths) <= MAX_KEY_LEN and "".join(out).isprintable()):
+    if lengths is not None and min(lengths) > 0 and max(lengths) <= MAX_KEY_LEN:
+        # printable text holds neither NUL nor surrogates: the usual batch needs no regex
+        ok = "".join(out).isprintable() or _BAD_KEY_CHAR.search("".join(out)) is None
+    else:
+        ok = False
+    if not ok:
         for k in out:
-            if not isinstance(k, str):
-                raise SchemaError(
-                    f"every key must be a str, got {type(k).__name__} ({k!r}); mint keys like f'{{uid}}_g{{i}}'"
-                )
-            if not k or len(k) > MAX_KEY_LEN or not k.isprintable():
-                raise InvalidArgument(f"key {k[:40]!r} must be 1-{MAX_KEY_LEN} printable characters")
+            problem = _key_problem(k)
+            if problem is not None:
+                raise (InvalidArgument if isinstance(k, str) else SchemaError)(problem)
     if len(set(out)) != len(out):
         seen: set[str] = set()
         dups = [k for k in out if k in seen or seen.add(k)]  # type: ignore[func-returns-value]

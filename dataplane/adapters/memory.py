@@ -28,6 +28,7 @@ import torch
 from dataplane._host.bufpool import BufferPool, default_pool
 from dataplane._host.hostcopy import copy_spans
 from dataplane._host.slots import NONE, add_keys, described, grown, lookup, merged_tags
+from dataplane.checks import check_bytes
 from dataplane.client import Capabilities, Listing
 from dataplane.codec.jagged import offsets_from_lengths
 from dataplane.codec.wire import Column
@@ -47,7 +48,9 @@ class MemoryConfig:
 
     Attributes:
         name: share one store between the clients of this process that use the same name.
-        capacity_bytes: most bytes of tensor data held; a put beyond it raises CapacityExceeded.
+        capacity_bytes: most bytes of tensor data held; a put beyond it raises CapacityExceeded. A
+            size as every byte option takes it: ``67108864``, ``"64MiB"``, ``"1GiB"``
+            (:func:`dataplane.checks.check_bytes`).
         capacity_rows: most rows (distinct keys over all partitions) held.
         timeout_s: bound on every call.
         pickle_fields: object fields that may use pickle (opt-in by name).
@@ -58,6 +61,9 @@ class MemoryConfig:
     capacity_rows: int | None = None
     timeout_s: float = 60.0
     pickle_fields: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "capacity_bytes", check_bytes("capacity_bytes", self.capacity_bytes, allow_none=True))
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> MemoryConfig:
@@ -70,7 +76,9 @@ class MemoryConfig:
         check_options("memory", options, known, how="keyword")
         values: dict[str, Any] = {}
         for key, raw in query.items():
-            if key in ("capacity_bytes", "capacity_rows"):
+            if key == "capacity_bytes":
+                values[key] = raw  # a size, parsed as every byte option is (__post_init__)
+            elif key == "capacity_rows":
                 values[key] = url_option(url, key, raw, lambda r: int(float(r)))
             elif key == "timeout_s":
                 values[key] = url_option(url, key, raw, float)

@@ -13,9 +13,51 @@ from hypothesis import HealthCheck, settings
 
 from dataplane.client import DataPlaneClient
 
-__all__ = ["ConformanceBase"]
+__all__ = ["AWKWARD_KEYS", "ConformanceBase"]
 
 _SLOW = settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+
+
+AWKWARD_KEYS: tuple[str, ...] = (
+    "ключ",  # non-ASCII: Cyrillic, CJK, emoji, an emoji of several code points (zero-width joiners)
+    "鍵",
+    "🦆",
+    "👩\u200d👩\u200d👧",
+    "\u00e9",  # é, one code point (NFC) ...
+    "e\u0301",  # ... and e + combining acute (NFD): the same text, another key
+    "\uff21",  # fullwidth A (NFKC folds it to "A", which is a key of its own here too)
+    "A",
+    "/",  # separators adapters use inside their own names
+    "a/b",
+    ":",
+    "@",
+    "k:1@f",
+    "..",
+    ".",
+    "%2F",
+    ",",
+    ";",
+    "a b",  # whitespace and control characters
+    " ",
+    "\t",
+    "a\nb",
+    "\r\n",
+    "\u3000",
+    "\u200b",
+    "\x1b[31m",
+    "'",  # quoting and escaping
+    '"',
+    "\\",
+    "*",
+    "?",
+    "__dataplane__x",  # what dataplane's own reserved names look like
+    "__dataplane__/schema/x",
+    ".dataplane/deployment",
+    "k" * 512,  # the longest keys, ASCII and not
+    "鍵" * 512,
+)
+"""Keys every adapter stores, lists and clears as it does ``"k0"`` (one key rule for every backend:
+:func:`dataplane.meta.check_keys`)."""
 
 
 def _jagged(rows: list[torch.Tensor]) -> torch.Tensor:

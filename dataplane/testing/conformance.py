@@ -28,8 +28,8 @@ from dataplane.errors import (
     KeyNotFound,
     SchemaError,
 )
-from dataplane.meta import KVBatchMeta
-from dataplane.testing._conformance_base import _SLOW, _jagged, _rows_of
+from dataplane.meta import MAX_KEY_LEN, KVBatchMeta
+from dataplane.testing._conformance_base import _SLOW, AWKWARD_KEYS, _jagged, _rows_of
 from dataplane.testing._conformance_guards import ConformanceGuards
 from dataplane.testing.strategies import ALL_DTYPES, bit_exact, ragged_batches, random_tensor
 
@@ -316,6 +316,50 @@ class ClientConformance(ConformanceGuards):
             client.kv_describe(["b", "b"], partition_id=pid)
         with pytest.raises(SchemaError):
             client.kv_describe("b", partition_id=pid)
+
+    def test_awkward_keys_round_trip_list_and_clear(self, client: DataPlaneClient, pid: str) -> None:
+        """Every key the core accepts is a key on every backend (:data:`AWKWARD_KEYS`: non-ASCII, other
+        Unicode normal forms, separators, whitespace, control characters, reserved-looking names,
+        512 characters): put, got back by keys and by meta, listed in first-put order with its tags,
+        described and cleared as ``"k0"`` is; and the keys no backend takes are refused alike."""
+        keys = list(AWKWARD_KEYS)
+        n, half = len(keys), len(keys) // 2
+        assert len(set(keys)) == n and max(map(len, keys)) == MAX_KEY_LEN
+        order = keys[half:] + keys[:half]  # first-put order
+        first = client.kv_batch_put(
+            order[:half],
+            {"x": torch.arange(half), "msg": order[:half]},
+            partition_id=pid,
+            tags=[{"k": k} for k in order[:half]],
+        )
+        rest = order[half:]
+        client.kv_batch_put(
+            rest, {"x": torch.arange(half, n), "msg": rest}, partition_id=pid, tags=[{"k": k} for k in rest]
+        )
+        client.kv_batch_put(keys[::3], {"y": torch.ones(len(keys[::3]))}, partition_id=pid)  # a rewrite keeps the order
+        listed = client.kv_list(pid)[pid]
+        assert list(listed) == order and all(listed[k] == {"k": k} for k in keys)
+        shuffled = keys[1::2] + keys[::2]
+        got = client.kv_batch_get(shuffled, partition_id=pid, select_fields=["x", "msg"])
+        assert got["msg"] == shuffled and got["x"].tolist() == [order.index(k) for k in shuffled]
+        travelled = KVBatchMeta.from_msgpack(first.to_msgpack())  # a meta another process got
+        assert client.kv_batch_get(travelled, select_fields=["msg"])["msg"] == order[:half]
+        info = client.kv_describe(keys, partition_id=pid)
+        assert list(info) == keys and all(
+            info[k].fields == ({"x", "msg", "y"} if i % 3 == 0 else {"x", "msg"}) for i, k in enumerate(keys)
+        )
+        client.kv_clear(keys[::2], partition_id=pid)
+        assert list(client.kv_list(pid)[pid]) == [k for k in order if k in set(keys[1::2])]
+        with pytest.raises(KeyNotFound):
+            client.kv_batch_get(keys[:1], partition_id=pid, select_fields=["x"])
+        assert client.kv_batch_get(keys[1::2], partition_id=pid, select_fields=["msg"])["msg"] == keys[1::2]
+        before = client.kv_list()
+        for bad in ("", "a\x00b", "k" * (MAX_KEY_LEN + 1), "\ud800"):  # refused by the core, alike everywhere
+            with pytest.raises(InvalidArgument):
+                client.kv_batch_put(["fine", bad], {"x": torch.zeros(2, dtype=torch.int64)}, partition_id=pid)
+        assert client.kv_list() == before
+        client.kv_clear(keys[1::2], partition_id=pid)
+        assert client.kv_list(pid).get(pid, {}) == {}
 
     def test_get_by_meta(self, client: DataPlaneClient, pid: str) -> None:
         meta = client.kv_batch_put(["a", "b", "c"], {"x": torch.arange(3)}, partition_id=pid)

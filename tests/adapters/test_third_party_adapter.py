@@ -75,6 +75,16 @@ def test_a_file_is_shared_by_its_clients_schema_included(tmp_path: Path) -> None
         assert sorted(writer.kv_list("p")["p"]) == ["a", "b"]
 
 
+def test_a_size_means_what_it_means_on_the_built_in_backends() -> None:
+    """The example parses its byte option with the core's parser (dataplane.checks.check_bytes)."""
+    with dataplane.connect("sqlite://?capacity_bytes=4KiB") as client:
+        client.kv_batch_put(["a"], {"x": torch.zeros(1, 1024)}, partition_id="p")  # 4096 bytes: fits
+        with pytest.raises(dataplane.CapacityExceeded):
+            client.kv_batch_put(["b"], {"x": torch.zeros(1, 1024)}, partition_id="p")
+    with pytest.raises(dataplane.InvalidArgument, match="capacity_bytes must be a size in bytes"):
+        dataplane.connect("sqlite://", capacity_bytes="lots")
+
+
 class TestSqliteAdapterConformance(ClientConformance):
     def make_client(self, **options: Any) -> DataPlaneClient:
         return dataplane.connect("sqlite://", **options)

@@ -96,7 +96,7 @@ def test_put_get_flags_noisy_figures_instead_of_reporting_them() -> None:
     ``noisy`` (with its value and why under the table), and so is its ratio to memcpy; a paired
     ratio to raw is noisy where its own 95% interval is wide, not where the machine's drift moved
     ours and raw alike."""
-    from benchmarks.put_get_report import format_table, noisy_figures, spread
+    from benchmarks.put_get_report import format_table, noisy_figures, noisy_summary, spread
 
     assert spread([1.0, 1.0, 1.0]) == 0.0
     assert spread([1.0, 2.0]) == pytest.approx(1 / 1.5)  # below 4 repeats: the full range
@@ -127,6 +127,14 @@ def test_put_get_flags_noisy_figures_instead_of_reporting_them() -> None:
         "0.42",
     ]
     assert "put GB/s 29.00: 29.00x the memcpy ceiling" in table
+    # the terminal: the same table, one line instead of the reasons (they stay in the .md and .json)
+    report = {"results": [row], "backends": {"mooncake": "ok"}, "config": {"repeat": 5}}
+    terse = format_table(report, notes=False)
+    assert terse.splitlines()[2] == line and "29.00x" not in terse and len(terse.splitlines()) == 3
+    summary = noisy_summary(report, "x.md and x.json")
+    assert summary is not None and summary.startswith("6 figures in 1 of 1 rows are noisy")
+    assert "x.md and x.json" in summary and "--repeat 10" in summary
+    assert noisy_summary({"results": [{**row, "noisy": {}}], "config": {"repeat": 5}}, "x.md") is None
     row["put_gbps"], row["get_vs_raw_ci95"] = 0.9, [0.2, 0.7]
     assert set(noisy_figures(row)) == {"get_gbps", "raw_get_gbps", "get_vs_memcpy", "get_vs_raw"}
 

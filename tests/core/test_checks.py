@@ -1,4 +1,4 @@
-"""``dataplane.checks``: the int and number argument checks every layer uses, and their messages."""
+"""``dataplane.checks``: the int, number and size argument checks every layer uses, and their messages."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import dataplane.checks
-from dataplane.checks import check_int, check_number
+from dataplane.checks import SIZE_EXAMPLES, check_bytes, check_int, check_number, parse_bytes
 from dataplane.errors import InvalidArgument
 
 
@@ -120,3 +120,52 @@ def test_errors_are_value_errors() -> None:
         check_int("n", -1)
     with pytest.raises(ValueError):
         check_number("n", -1, low=0)
+
+
+# -- check_bytes / parse_bytes ------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("given", "want"),
+    [
+        (0, 0),
+        (67108864, 64 << 20),
+        (np.int64(4096), 4096),
+        (1e9, 10**9),
+        ("67108864", 64 << 20),
+        (" 64MiB ", 64 << 20),
+        ("64MB", 64 << 20),  # binary either way, as Mooncake reads sizes
+        ("64 mb", 64 << 20),
+        ("64M", 64 << 20),
+        ("64Mi", 64 << 20),
+        ("1GiB", 1 << 30),
+        ("1gb", 1 << 30),
+        ("1.5GiB", 3 << 29),
+        (".5K", 512),
+        ("2TiB", 2 << 40),
+        ("512B", 512),
+        ("1e9", 10**9),
+        ("1E+3K", 1000 << 10),
+        ("99999999999999999999999", 99999999999999999999999),  # exact, however large
+    ],
+)
+def test_sizes_parse_alike_everywhere(given: object, want: int) -> None:
+    assert parse_bytes(given) == check_bytes("x_bytes", given) == want
+    assert type(check_bytes("x_bytes", given)) is int
+
+
+@pytest.mark.parametrize("bad", ["", "lots", "64 parsecs", "MiB", "64iB", "-1", "1.2.3", "0x10", "1e400", "nan", "64 M B",
+                                 True, -1, math.inf, math.nan, None, [1]])  # fmt: skip
+def test_a_non_size_is_refused_with_examples(bad: object) -> None:
+    with pytest.raises(InvalidArgument, match=f"^not a size: .*; give bytes as {SIZE_EXAMPLES}$"):
+        parse_bytes(bad)
+    with pytest.raises(InvalidArgument) as err:
+        check_bytes("segment_bytes", bad)
+    assert str(err.value) == f"segment_bytes must be a size in bytes >= 0 ({SIZE_EXAMPLES}), got {bad!r}"
+
+
+def test_check_bytes_bounds_and_none() -> None:
+    assert check_bytes("capacity_bytes", None, allow_none=True) is None
+    assert check_bytes("segment_bytes", "1KiB", low=1024) == 1024
+    with pytest.raises(InvalidArgument, match=r"^segment_bytes must be a size in bytes >= 1 \("):
+        check_bytes("segment_bytes", 0, low=1)
+    with pytest.raises(InvalidArgument, match=r">= 0 or None"):
+        check_bytes("capacity_bytes", "x", allow_none=True)

@@ -75,9 +75,10 @@ def test_invariants() -> None:
         KVBatchMeta(partition_id="p", keys="ab")
     with pytest.raises(InvalidArgument):
         KVBatchMeta(partition_id="", keys=["a"])
-    for bad in ("", "a\nb", "k" * 513):  # the client trusts a meta's keys: a meta holds only valid ones
-        with pytest.raises(InvalidArgument, match="printable"):
+    for bad, why in (("", "non-empty"), ("a\x00b", "NUL"), ("k" * 513, "513 characters"), ("\udc80", "surrogate")):
+        with pytest.raises(InvalidArgument, match=why):  # the client trusts a meta's keys: a meta holds only valid ones
             KVBatchMeta(partition_id="p", keys=["a", bad])
+    assert KVBatchMeta(partition_id="p", keys=["a\nb", "ключ", " "]).keys == ("a\nb", "ключ", " ")
     assert KVBatchMeta(partition_id="p", keys=[]).keys == ()
     m = KVBatchMeta(partition_id="p", keys=["a", "b"])
     with pytest.raises(InvalidArgument):

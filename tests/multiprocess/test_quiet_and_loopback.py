@@ -1,4 +1,5 @@
-"""A healthy connect/put/get/close is quiet, and what it starts listens on loopback only.
+"""A healthy connect/put/get/close is quiet, and what it starts listens on loopback only; a typed
+error (``KeyNotFound``, ``CapacityExceeded``) is raised, not also printed.
 
 One subprocess per backend serves both checks: it connects (starting the deployment), puts and gets
 a batch, says READY and waits; this test then reads the listening TCP sockets of that process and of
@@ -28,6 +29,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -60,6 +62,54 @@ BACKENDS = [
     # soak only: its Ray, TransferQueue and Mooncake cost CI ~33 s, the room the multi-host test took
     pytest.param(
         "tq://?backend=mooncake",
+        id="tq-mooncake",
+        marks=[pytest.mark.tq, pytest.mark.mooncake, pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.soak],
+    ),
+]
+
+
+# A typed error the caller handles is raised, not also logged: each once, then a healthy close.
+ERRORS_CHILD = r"""
+import sys
+import torch
+import dataplane
+from dataplane.errors import CapacityExceeded, KeyNotFound
+
+url, capacity = sys.argv[1], int(sys.argv[2])
+client = dataplane.connect(url)
+client.kv_batch_put(["a", "b"], {"x": torch.zeros(2, 2)}, partition_id="p")
+for keys, fields, partition in ((["a", "nope"], ["x"], "p"), (["a"], ["y"], "p"), (["a"], ["x"], "none")):
+    try:
+        client.kv_batch_get(keys, partition_id=partition, select_fields=fields)
+    except KeyNotFound:
+        pass
+    else:
+        raise AssertionError(f"a get of {keys} {fields} from {partition!r} did not raise KeyNotFound")
+client.kv_clear(["nope"], partition_id="p")  # clearing a key that is not there: nothing to do, nothing said
+if capacity:
+    try:
+        client.kv_batch_put([f"c{i}" for i in range(capacity)], {"x": torch.zeros(capacity, 2)}, partition_id="p")
+    except CapacityExceeded:
+        pass
+    else:
+        raise AssertionError("a put past capacity_rows did not raise CapacityExceeded")
+    client.kv_batch_put(["c"], {"x": torch.ones(1, 2)}, partition_id="p")  # the store still works
+client.close()
+print("DONE", flush=True)
+"""
+
+TYPED_ERRORS = [
+    pytest.param("mooncake://local", 0, id="mooncake-local", marks=[pytest.mark.mooncake, pytest.mark.multiprocess]),
+    # soak only, as above: each starts a Ray, TransferQueue (and a Mooncake master)
+    pytest.param(
+        "tq://?backend=simple&capacity_rows=64",
+        64,
+        id="tq-simple",
+        marks=[pytest.mark.tq, pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.soak],
+    ),
+    pytest.param(
+        "tq://?backend=mooncake",
+        0,
         id="tq-mooncake",
         marks=[pytest.mark.tq, pytest.mark.mooncake, pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.soak],
     ),
@@ -219,6 +269,28 @@ def test_healthy_run_is_quiet_and_listens_on_loopback_only(url: str) -> None:
     print(f"{url}: {len(sockets)} listening sockets, {time.monotonic() - started:.1f}s")
 
 
+@pytest.mark.parametrize(("url", "capacity"), TYPED_ERRORS)
+def test_typed_errors_are_raised_not_logged(url: str, capacity: int) -> None:
+    """``KeyNotFound`` (a missing key, field and partition; a clear of a missing key) and, where the
+    backend is bounded, ``CapacityExceeded`` are raised and nothing is printed for them: the
+    backends' own log lines for these failures are filtered (``dataplane._host.quiet``)."""
+    if "mooncake" in url:
+        pytest.importorskip("mooncake.store")
+    if url.startswith("tq"):
+        pytest.importorskip("transfer_queue")
+    done = subprocess.run(
+        [sys.executable, "-c", ERRORS_CHILD, url, str(capacity)],
+        capture_output=True,
+        text=True,
+        env=_child_env(),
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert done.returncode == 0 and "DONE" in done.stdout, done.stderr[-4000:]
+    noisy = noisy_lines(done.stderr)
+    assert not noisy, f"{url}: a typed error also printed on stderr:\n" + "\n".join(noisy)
+
+
 def test_filtered_stderr_drops_only_known_harmless_lines(
     capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -233,3 +305,58 @@ def test_filtered_stderr_drops_only_known_harmless_lines(
     with filtered_stderr():
         os.write(2, (harmless + real).encode())
     assert capfd.readouterr().err == harmless + real
+
+
+def test_typed_error_records_are_filtered_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The records TransferQueue logs for a full store and for absent keys are dropped, in this
+    process and from what Ray forwards from its actors; its other records pass, and
+    ``DATAPLANE_BACKEND_LOGS=1`` passes everything."""
+    import logging
+
+    from dataplane._host.quiet import _dropping_typed_errors, quiet_typed_errors, typed_error_line
+
+    monkeypatch.delenv(BACKEND_LOGS_ENV, raising=False)
+    quiet_typed_errors()
+    quiet_typed_errors()  # idempotent: one filter per logger
+    manager = logging.getLogger("transfer_queue.storage.managers.simple_storage_manager")
+    assert len(manager.filters) == 1
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    handler = Keep()
+    manager.addHandler(handler)
+    try:
+        full = (
+            "RuntimeError: Failed to put data to storage unit SU0: Storage capacity exceeded: 64 existing + 1 new > 64"
+        )
+        manager.error(f"[SM_1]: Unexpected error during put to storage unit SU0: {full}")
+        manager.error(f"[SM_1]: put_data failed. partition_id=p, num_samples=65, num_storage_units=1, error={full}")
+        manager.error("[SM_1]: put_data failed. partition_id=p, error=RuntimeError: disk on fire")
+        monkeypatch.setenv(BACKEND_LOGS_ENV, "1")
+        manager.error(f"[SM_1]: put_data failed. error={full}")
+    finally:
+        manager.removeHandler(handler)
+    assert seen == [
+        "[SM_1]: put_data failed. partition_id=p, error=RuntimeError: disk on fire",
+        f"[SM_1]: put_data failed. error={full}",
+    ]
+
+    monkeypatch.delenv(BACKEND_LOGS_ENV)
+    absent = (
+        "2026-12-06 05:00:00,000 - WARNING - transfer_queue.controller - Keys ['nope'] were not found in partition p. "
+        "They will be excluded from the retrieved BatchMeta."
+    )
+    unit = (
+        "2026-12-06 05:00:00,000 - ERROR - transfer_queue.storage.simple_storage - [SU0]: worker error during "
+        "ZMQRequestType.PUT_DATA from sender=SM_1: ValueError: Storage capacity exceeded: 64 existing + 1 new > 64"
+    )
+    other = "2026-12-06 05:00:00,000 - WARNING - transfer_queue.controller - Partition p not found."
+    assert typed_error_line(absent) and typed_error_line(unit) and not typed_error_line(other)
+    printed: list[Any] = []
+    forward = _dropping_typed_errors(printed.append)
+    forward({"lines": [absent, other, unit], "pid": 7, "is_err": True})
+    forward({"lines": [absent], "pid": 7, "is_err": True})  # nothing left: nothing printed
+    assert printed == [{"lines": [other], "pid": 7, "is_err": True}]

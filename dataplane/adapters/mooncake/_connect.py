@@ -20,6 +20,7 @@ from dataplane.adapters.mooncake._handle import AdminClient, StoreHandle
 from dataplane.adapters.mooncake._index import check_ns
 from dataplane.adapters.mooncake._servers import StoreServerHandle, start_real_client, start_store_server
 from dataplane.adapters.mooncake._store import MooncakeStore
+from dataplane.checks import check_bytes, parse_bytes
 from dataplane.errors import BackendUnavailable, DataPlaneError, InvalidArgument
 from dataplane.registry import check_options, export_url, url_bool, url_option
 from dataplane.store_client import StoreClient
@@ -28,18 +29,7 @@ __all__ = ["DEPLOYMENT_KEY", "LocalDeployment", "MooncakeConfig", "connect", "de
 
 log = logging.getLogger(__name__)
 
-_SIZE_RE = re.compile(r"^\s*([0-9.eE+]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_bytes(value: str | int | float) -> int:
-    """``"512MiB"``, ``"2GB"``, ``"1e9"`` or an int -> bytes (binary units either way)."""
-    if isinstance(value, (int, float)):
-        return int(value)
-    m = _SIZE_RE.match(value)
-    if not m:
-        raise InvalidArgument(f"not a size: {value!r}; use e.g. 268435456, 256MiB or 1GiB")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "")[:1].lower()])
+_BYTE_OPTIONS = ("segment_bytes", "client_segment_bytes", "local_buffer_bytes", "pool_bytes")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -50,7 +40,9 @@ class MooncakeConfig:
         master: ``"HOST:PORT"`` of a running master's RPC port, or None to start our own (``local``).
         metrics_port: the master's admin HTTP port (``--metrics_port``; listing keys goes through it).
         ns: key namespace, so several jobs can share one master.
-        segment_bytes: RAM the store server of ``mooncake://local`` lends to the pool.
+        segment_bytes: RAM the store server of ``mooncake://local`` lends to the pool. This and every
+            other ``*_bytes`` option is a size as every backend takes it: ``67108864``, ``"64MiB"``,
+            ``"1GiB"`` (:func:`dataplane.checks.check_bytes`).
         client_segment_bytes: RAM this client lends (0: objects never die with this process).
         local_buffer_bytes: Mooncake's staging buffer per client (unused by our zero-copy calls).
         protocol: ``tcp`` or ``rdma``.
@@ -88,9 +80,8 @@ class MooncakeConfig:
         check_ns(self.ns)
         if self.protocol not in ("tcp", "rdma"):
             raise InvalidArgument(f"protocol must be 'tcp' or 'rdma', got {self.protocol!r}")
-        for name in ("segment_bytes", "client_segment_bytes", "local_buffer_bytes", "pool_bytes"):
-            if getattr(self, name) < 0:
-                raise InvalidArgument(f"{name} must be >= 0")
+        for name in _BYTE_OPTIONS:
+            object.__setattr__(self, name, check_bytes(name, getattr(self, name)))
         if self.master is None and self.segment_bytes <= 0:
             raise InvalidArgument("mooncake://local needs segment_bytes > 0 for its store server")
         if self.timeout_s <= 0:
@@ -118,8 +109,8 @@ class MooncakeConfig:
         check_options("mooncake", options, known, how="keyword")
         for key, raw_list in query.items():
             raw = raw_list[-1]
-            if key.endswith("_bytes"):
-                values[key] = parse_bytes(raw)
+            if key in _BYTE_OPTIONS:
+                values[key] = raw  # a size, parsed as every byte option is (__post_init__)
             elif key in ("metrics_port", "client_ttl_s"):
                 values[key] = url_option(url, key, raw, int)
             elif key == "timeout_s":
@@ -137,9 +128,6 @@ class MooncakeConfig:
             if parsed.port is None or not parsed.hostname:
                 raise InvalidArgument(f"mooncake://HOST:PORT needs the master's RPC port, got {url!r}")
             master = where
-        for key in ("segment_bytes", "client_segment_bytes", "local_buffer_bytes", "pool_bytes"):
-            if isinstance(options.get(key), str):
-                options[key] = parse_bytes(options[key])
         return cls(**{"master": master, **values, **options})
 
 

@@ -22,6 +22,11 @@ Every index object is stored padded to whole pages, and so is every data object 
 sends from its own memory (shared memory, RDMA; its index says so): see :data:`OBJECT_ALIGN`. The
 padding bytes are unspecified and never read as data.
 
+Keys (any the core accepts: :func:`dataplane.meta.check_keys`) are never part of an object name:
+they live in index objects only, as one newline-joined string, or as a list of strings where a key
+holds a newline (:func:`_joined_keys`; a dataplane that predates it cannot read such an index, and
+no key it could write holds one, so every index it wrote reads as it did).
+
 ``part`` and ``field`` are percent-encoded so they hold only ``[A-Za-z0-9_%-]`` (no ``/`` and nothing
 a regex treats specially). A ``put_id`` is ``{time_ns:019d}-{writer}``: sortable by time, unique per
 writer, strictly increasing within a process. A later put supersedes an earlier one per
@@ -327,7 +332,7 @@ def encode_index(
     body: dict[str, Any] = {
         "v": INDEX_VERSION,
         "op": op,
-        "keys": "\n".join(keys),  # keys are printable: one string, split in C when read
+        "keys": _joined_keys(keys),
         "offsets": blobs,
         "fields": entries,
         "tags": None if tags is None else [dict(t) for t in tags],
@@ -341,6 +346,24 @@ def encode_index(
     out = msgpack.packb(body, use_bin_type=True)
     assert isinstance(out, bytes)
     return out
+
+
+def _joined_keys(keys: Sequence[str]) -> str | list[str]:
+    """An index's keys: one newline-joined str (split in C when read), or, where a key holds a
+    newline itself, the list of them (a msgpack array: the same keys, read slower)."""
+    joined = "\n".join(keys)
+    if joined.count("\n") == max(0, len(keys) - 1):
+        return joined
+    return list(keys)
+
+
+def _split_keys(stored: object) -> tuple[str, ...]:
+    """The keys :func:`_joined_keys` stored."""
+    if type(stored) is str:
+        return tuple(stored.split("\n")) if stored else ()
+    if type(stored) is list and all(type(k) is str for k in stored):
+        return tuple(stored)
+    raise ValueError(f"keys are a {type(stored).__name__}, not one str or a list of str")
 
 
 def decode_index(key: str, put_id: str, data: bytes) -> PutIndex:
@@ -366,10 +389,7 @@ def decode_index(key: str, put_id: str, data: bytes) -> PutIndex:
                 raise ValueError(f"field {name!r} at byte {at!r} of a {packed}-byte object")
             fields[name] = FieldEntry(schema, n, off, schema.row_nbytes, at)
         tags = None if body["tags"] is None else tuple(dict(t) for t in body["tags"])
-        joined = body["keys"]
-        if type(joined) is not str:
-            raise ValueError(f"keys are a {type(joined).__name__}, not one str")
-        keys = tuple(joined.split("\n")) if joined else ()
+        keys = _split_keys(body["keys"])
         return PutIndex(key, put_id, body["op"], keys, fields, tags, packed, pad)
     except (ValueError, KeyError, TypeError, SchemaError, msgpack.UnpackException) as e:
         raise BackendUnavailable(

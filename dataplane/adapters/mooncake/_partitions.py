@@ -39,10 +39,7 @@ from dataplane.adapters.mooncake._index import (
 )
 from dataplane.adapters.mooncake._read import Reader
 from dataplane.client import Capabilities
-from dataplane.errors import (
-    DataPlaneTimeout,
-    InvalidArgument,
-)
+from dataplane.errors import DataPlaneTimeout
 from dataplane.schema import FieldSchema
 from dataplane.storage import KVStore
 
@@ -139,13 +136,6 @@ class PartitionCache(KVStore):
         """``mooncake:TOKEN/NS``: TOKEN is written once per master by its first client and read back
         by every other (however it spells the master's host); NS is this client's namespace."""
         return f"mooncake:{self.deployment_token}/{self.ns}" if self.deployment_token else ""
-
-    def validate_keys(self, keys: Sequence[str]) -> None:
-        """Mooncake keys are ASCII (the core already bounds their length at ``meta.MAX_KEY_LEN``)."""
-        if "".join(keys).isascii():  # one C-level pass; the loop names the bad key
-            return
-        bad = next(k for k in keys if not k.isascii())
-        raise InvalidArgument(f"Mooncake keys must be ASCII, got {bad[:40]!r}; mint keys like f'{{uid}}_g{{i}}'")
 
     # -- partition state -------------------------------------------------------------------------
     def _part(self, partition_id: str) -> _Part:

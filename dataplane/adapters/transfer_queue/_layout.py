@@ -11,6 +11,9 @@
   process sees it and clearing the partition clears it. One key per field (not one per partition)
   because TQ's controller replaces a key's tags wholesale: writers adding different fields at the
   same time would otherwise lose each other's entries.
+* **Keys.** A row's TQ key is the user's key as it is (any key the core accepts). One beginning
+  with ``__dataplane__`` is stored with a NUL in front (:func:`stored_keys`), which no user key
+  holds, so it never meets a reserved key; listings take the NUL off again.
 * **Row marker.** Every row written through dataplane carries the tag ``__dataplane__``: on
   Mooncake its fields, sorted, comma-joined; on SimpleStorage its packs, ``;``-joined, each a
   comma-joined field list (field names hold neither, and one string is cheap in every TQ message
@@ -31,6 +34,7 @@ from dataplane.codec.wire import Column
 from dataplane.schema import FieldSchema
 
 __all__ = [
+    "KEY_ESCAPE",
     "MARKER",
     "RowsChanged",
     "RESERVED_PREFIX",
@@ -42,7 +46,10 @@ __all__ = [
     "schema_tag",
     "signature_matches",
     "split_fields",
+    "stored_keys",
     "to_tq",
+    "user_key",
+    "user_listing",
 ]
 
 
@@ -54,6 +61,9 @@ class RowsChanged(Exception):
 RESERVED_PREFIX = "__dataplane__"
 SCHEMA_PREFIX = RESERVED_PREFIX + "/schema/"
 MARKER = "__dataplane__"
+# A user's key that begins like a reserved one is stored behind this: no user key holds NUL (the
+# core's key rule, dataplane.meta.check_keys), so a stored key that begins with it is such a key.
+KEY_ESCAPE = "\x00"
 
 
 def schema_key(field: str) -> str:
@@ -62,6 +72,28 @@ def schema_key(field: str) -> str:
 
 def is_reserved(key: str) -> bool:
     return key.startswith(RESERVED_PREFIX)
+
+
+def stored_keys(keys: Sequence[str]) -> Sequence[str]:
+    """The keys TQ holds for a user's ``keys``: each as it is, but one beginning with
+    :data:`RESERVED_PREFIX`, which gets :data:`KEY_ESCAPE` in front (so every key the core accepts
+    is a key here, and never one of dataplane's own). ``keys`` itself when none needs it."""
+    if RESERVED_PREFIX not in "".join(keys):  # one C-level pass: the usual batch
+        return keys
+    return [KEY_ESCAPE + k if k.startswith(RESERVED_PREFIX) else k for k in keys]
+
+
+def user_key(stored: str) -> str:
+    """The user's key that TQ holds as ``stored`` (undoes :func:`stored_keys`)."""
+    return stored[len(KEY_ESCAPE) :] if stored.startswith(KEY_ESCAPE) else stored
+
+
+def user_listing(listing: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """A listing of stored keys (:func:`stored_keys`) as the user's keys, in the same order."""
+    for part, rows in listing.items():
+        if KEY_ESCAPE in "".join(rows):
+            listing[part] = {user_key(k): tags for k, tags in rows.items()}
+    return listing
 
 
 def join_fields(fields: set[str]) -> str:

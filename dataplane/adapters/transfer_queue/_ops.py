@@ -55,6 +55,7 @@ from dataplane.adapters.transfer_queue._layout import (
     signature_matches,
     split_fields,
     to_tq,
+    user_key,
 )
 from dataplane.adapters.transfer_queue._mooncake_backend import (
     MooncakeData,
@@ -151,7 +152,7 @@ def _missing_fields(
     missing = {}
     for f in absent:
         lacking = [k for k, m in zip(keys, markers, strict=False) if f not in m or f not in known]
-        missing[f] = lacking or list(keys)
+        missing[f] = [user_key(k) for k in lacking or keys]
     return missing_rows_error(partition_id, (), missing)
 
 
@@ -569,7 +570,7 @@ class TQOps:
     async def _missing_keys(self, partition_id: str, keys: Sequence[str]) -> KeyNotFound:
         rows = (await self._listing(partition_id)).get(partition_id, {})
         missing = [k for k in keys if k not in rows]
-        return missing_rows_error(partition_id, missing or list(keys))
+        return missing_rows_error(partition_id, [user_key(k) for k in missing or keys])
 
     # ------------------------------------------------------------------ clear / list
     async def clear(self, partition_id: str, keys: Sequence[str] | None) -> None:

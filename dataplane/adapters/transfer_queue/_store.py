@@ -12,10 +12,12 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar, Literal
 from urllib.parse import parse_qs, urlparse
 
+from dataplane._host.quiet import quiet_typed_errors
 from dataplane.adapters.transfer_queue._deploy_config import TQDeployConfig
 from dataplane.adapters.transfer_queue._deployment import TQDeployment, start_or_attach
-from dataplane.adapters.transfer_queue._layout import MARKER, RESERVED_PREFIX
+from dataplane.adapters.transfer_queue._layout import MARKER, stored_keys, user_listing
 from dataplane.adapters.transfer_queue._ops import SCHEMA_EXTRA, TQOps
+from dataplane.checks import check_bytes
 from dataplane.client import Capabilities, Listing
 from dataplane.codec.wire import Column
 from dataplane.errors import (
@@ -54,6 +56,8 @@ class TQConfig:
             over the units); a put beyond it raises ``CapacityExceeded``. ``None``: unbounded.
         segment_bytes: Mooncake: memory the owner lends to the pool, i.e. its capacity; a put
             that does not fit raises ``CapacityExceeded`` (objects are hard-pinned, never evicted).
+            Both ``*_bytes`` options are sizes as every backend takes them: ``67108864``,
+            ``"64MiB"``, ``"1GiB"`` (:func:`dataplane.checks.check_bytes`).
         worker_segment_bytes: Mooncake: memory each attached process lends. 0 (default) keeps all
             rows in the owner's segment, so they survive workers that exit.
         master: Mooncake: join this ``host:port`` master instead of starting one (never stopped).
@@ -83,6 +87,8 @@ class TQConfig:
     pickle_fields: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "segment_bytes", check_bytes("segment_bytes", self.segment_bytes))
+        object.__setattr__(self, "worker_segment_bytes", check_bytes("worker_segment_bytes", self.worker_segment_bytes))
         if self.backend not in (None, "simple", "mooncake"):
             raise InvalidArgument(f"backend must be 'simple', 'mooncake' or None, got {self.backend!r}")
         if self.timeout_s <= 0 or self.init_timeout_s <= 0:
@@ -101,7 +107,9 @@ class TQConfig:
         check_options("tq", options, known, how="keyword")
         values: dict[str, Any] = {}
         for key, raw in query.items():
-            if key in ("units", "capacity_rows", "segment_bytes", "worker_segment_bytes", "num_cpus"):
+            if key in ("segment_bytes", "worker_segment_bytes"):
+                values[key] = raw  # a size, parsed as every byte option is (__post_init__)
+            elif key in ("units", "capacity_rows", "num_cpus"):
                 values[key] = url_option(url, key, raw, lambda r: int(float(r)))
             elif key in ("timeout_s", "init_timeout_s"):
                 values[key] = url_option(url, key, raw, float)
@@ -205,6 +213,7 @@ class TQStore(KVStore):
             raise kind(f"cannot open tq:// ({type(e).__name__}: {e})") from e
         except TimeoutError as e:
             raise DataPlaneTimeout(f"TransferQueue did not start or attach in time: {e}") from e
+        quiet_typed_errors()  # TQ's log lines for what this adapter raises typed (after ray.init: see there)
         try:
             self._ops = TQOps(self._dep)
         except BaseException:
@@ -257,11 +266,6 @@ class TQStore(KVStore):
                 raise _map_error(op, e) from e
             raise
 
-    def validate_keys(self, keys: Sequence[str]) -> None:
-        bad = [k for k in keys if k.startswith(RESERVED_PREFIX)]
-        if bad:
-            raise InvalidArgument(f"keys starting with {RESERVED_PREFIX!r} are reserved by dataplane: {bad[:4]}")
-
     def put(
         self,
         partition_id: str,
@@ -274,7 +278,7 @@ class TQStore(KVStore):
         if tags is not None and any(MARKER in t for t in tags):
             raise InvalidArgument(f"the tag name {MARKER!r} is reserved by dataplane")
         out: dict[str, Any] = self._run(
-            "put", self._ops.put, partition_id, keys, columns, tags, timeout_s, timeout_s=timeout_s
+            "put", self._ops.put, partition_id, stored_keys(keys), columns, tags, timeout_s, timeout_s=timeout_s
         )
         return out
 
@@ -290,19 +294,20 @@ class TQStore(KVStore):
         carried = meta.extra_info.get(SCHEMA_EXTRA) if meta is not None else None
         carried = carried if isinstance(carried, Mapping) else None
         out: Mapping[str, Column] = self._run(
-            "get", self._ops.get, partition_id, keys, fields, carried, timeout_s=timeout_s
+            "get", self._ops.get, partition_id, stored_keys(keys), fields, carried, timeout_s=timeout_s
         )
         return out
 
     def clear(self, partition_id: str, keys: Sequence[str] | None, *, timeout_s: float) -> None:
-        self._run("clear", self._ops.clear, partition_id, keys, timeout_s=timeout_s)
+        stored = None if keys is None else stored_keys(keys)
+        self._run("clear", self._ops.clear, partition_id, stored, timeout_s=timeout_s)
 
     def list(self, partition_id: str | None, *, timeout_s: float) -> Listing:
         out: Listing = self._run("list", self._ops.list, partition_id, timeout_s=timeout_s)
-        return out
+        return user_listing(out)
 
     def describe(self, partition_id: str, keys: Sequence[str], *, timeout_s: float) -> _Described:
-        found = self._run("describe", self._ops.describe, partition_id, keys, timeout_s=timeout_s)
+        found = self._run("describe", self._ops.describe, partition_id, stored_keys(keys), timeout_s=timeout_s)
         return [None if x is None else RowInfo(*x) for x in found]
 
     def close(self) -> None:

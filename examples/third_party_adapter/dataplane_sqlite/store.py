@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from dataplane import RowInfo
+from dataplane.checks import check_bytes
 from dataplane.errors import BackendUnavailable, CapacityExceeded, DataPlaneTimeout, InvalidArgument
 from dataplane.storage import (
     Capabilities,
@@ -253,8 +254,10 @@ def connect(url: str = "sqlite://", **options: Any) -> StoreClient:
         )
     try:
         timeout_s = float(given.get("timeout_s", 60.0))
-        limits = {k: int(given[k]) for k in ("capacity_bytes", "capacity_rows") if given.get(k) is not None}
+        limits = {k: int(given[k]) for k in ("capacity_rows",) if given.get(k) is not None}
     except (TypeError, ValueError) as e:
         raise InvalidArgument(f"bad sqlite:// option in {url!r} {options}: {e}") from None
+    if given.get("capacity_bytes") is not None:  # sizes as every backend takes them: 67108864, "64MiB"
+        limits["capacity_bytes"] = check_bytes("capacity_bytes", given["capacity_bytes"])
     store = SqliteStore((parsed.netloc + parsed.path) or None, **limits)
     return StoreClient(store, timeout_s=timeout_s)

@@ -146,6 +146,20 @@ def test_index_round_trip_and_make_index_agree() -> None:
     pickle.loads(pickle.dumps(a.fields["t"].schema))
 
 
+@pytest.mark.parametrize(
+    ("keys", "stored"),
+    [
+        (["a", "ключ", "鍵 🦆", "k:1@f"], "a\nключ\n鍵 🦆\nk:1@f"),  # as every index before: one joined str
+        (["a", "b\nc", "\n"], ["a", "b\nc", "\n"]),  # a key holding a newline: the list of keys
+        ([], ""),
+    ],
+)
+def test_index_keys_are_one_joined_str_unless_a_key_holds_a_newline(keys: list[str], stored: object) -> None:
+    body = encode_index(keys, {}, None)
+    assert msgpack.unpackb(body, raw=False)["keys"] == stored
+    assert decode_index("ns/p/i/0001-w.1", "0001-w", body).keys == tuple(keys)
+
+
 def test_a_packed_put_names_one_object_and_where_each_field_lies_in_it() -> None:
     off = np.array([0, 2, 2, 5], dtype=np.int64)
     fields = {"t": (JAG, 40, off), "x": (DENSE, 24, None), "e": (JAG, 0, off * 0)}

@@ -141,3 +141,20 @@ def test_a_blob_read_under_another_key_is_read_again() -> None:
     with pytest.raises(RowsChanged):
         parse_pack(packed.pack, [blobs[0], blobs[2], blobs[1]], [0, 1, 2], keys=K[:3])
     parse_pack(packed.pack, [blobs[2], blobs[0]], [0, 1], keys=[K[2], K[0]])  # its own key: fine
+
+
+def test_keys_that_look_reserved_are_stored_apart_and_listed_as_given() -> None:
+    """Every key the core accepts is a key on tq://: one beginning like dataplane's reserved keys
+    gets a NUL in front (no user key holds one); every other key, as every key before, as it is."""
+    from dataplane.adapters.transfer_queue._layout import is_reserved, schema_key, stored_keys, user_key, user_listing
+
+    plain = ["a", "ключ", "a\nb", "__dataplan"]
+    assert stored_keys(plain) is plain  # the usual batch: no copy
+    assert stored_keys(["x__dataplane__"]) == ["x__dataplane__"]  # only a key that begins like one
+    keys = ["__dataplane__", schema_key("x"), "a"]
+    stored = stored_keys(keys)
+    assert stored == ["\x00__dataplane__", "\x00" + schema_key("x"), "a"] and not any(map(is_reserved, stored))
+    assert [user_key(k) for k in stored] == keys
+    listing = {"p": {s: {"i": i} for i, s in enumerate(stored)}, "q": {"b": {}}}
+    assert user_listing(listing) == {"p": {k: {"i": i} for i, k in enumerate(keys)}, "q": {"b": {}}}
+    assert list(listing["p"]) == keys  # first-put order kept
