@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor
 
 from dataplane import InvalidArgument
@@ -28,6 +29,7 @@ from integrations.rl.advantages import right_shift
 
 __all__ = [
     "ADVANTAGES",
+    "chunked_token_logprobs",
     "GEN_LOGPROBS",
     "INPUT_IDS",
     "LOSS_MASK",
@@ -154,6 +156,67 @@ def token_logprobs(logits: Tensor, input_ids: Tensor, *, temperature: float = 1.
         scaled = scaled / temperature
     picked = scaled.gather(-1, input_ids[:, 1:].long().unsqueeze(-1)).squeeze(-1)
     return torch.cat([out[:, :1], picked - scaled.logsumexp(-1)], dim=1)
+
+
+def chunked_token_logprobs(
+    hidden: Tensor, weight: Tensor, input_ids: Tensor, *, temperature: float = 1.0, chunk_tokens: int = 1024
+) -> Tensor:
+    """:func:`token_logprobs` of ``hidden @ weight.T``, never holding more than ``chunk_tokens`` rows
+    of ``[*, V]`` logits: the output layer runs on one chunk of token positions at a time, in float32,
+    and the backward recomputes each chunk's logits (``torch.utils.checkpoint``) instead of keeping them.
+
+    For a vocabulary of 151,936 a 16k-token microbatch's float32 logits alone are ~10 GB; here the
+    peak is one chunk's (``chunk_tokens * V * 4`` bytes: 0.6 GB at 1,024).
+
+    Args:
+        hidden: ``[B, T, H]`` last hidden states (after the final norm), any float dtype.
+        weight: ``[V, H]`` the output layer's weight (``lm_head.weight``).
+        input_ids: ``[B, T]`` integer token ids.
+        temperature: the sampling temperature the tokens were generated with; must be > 0.
+        chunk_tokens: token positions per chunk, >= 1.
+
+    Returns:
+        ``[B, T]`` float32, position 0 holding 0; differentiable in ``hidden`` and ``weight``.
+
+    Example:
+        >>> import torch
+        >>> h, w, ids = torch.randn(2, 5, 8), torch.randn(11, 8), torch.randint(0, 11, (2, 5))
+        >>> torch.allclose(chunked_token_logprobs(h, w, ids, chunk_tokens=3), token_logprobs(h @ w.T, ids), atol=1e-6)
+        True
+    """
+    if not isinstance(hidden, Tensor) or hidden.is_nested or hidden.dim() != 3 or not hidden.is_floating_point():
+        got = tuple(hidden.shape) if isinstance(hidden, Tensor) else type(hidden).__name__
+        raise InvalidArgument(f"hidden must be a floating point tensor [B, T, H], got {got}")
+    b, t, h = hidden.shape
+    if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[1] != h:
+        got = tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__
+        raise InvalidArgument(f"weight must be the output layer's [V, H={h}] weight, got {got}")
+    if not isinstance(input_ids, Tensor) or input_ids.is_nested or tuple(input_ids.shape) != (b, t):
+        got = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
+        raise InvalidArgument(f"input_ids must be an integer tensor [B, T] = {(b, t)} matching hidden, got {got}")
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise InvalidArgument(f"input_ids must hold integer token ids, got {input_ids.dtype}; use input_ids.long()")
+    temperature = check_number("temperature", temperature, low=0, low_open=True)
+    chunk = check_int("chunk_tokens", chunk_tokens, low=1)
+    out = torch.zeros(b, 1, dtype=torch.float32, device=hidden.device)
+    if t < 2:
+        return out.expand(b, t).clone()
+    states = hidden[:, :-1].reshape(-1, h)  # position t-1 predicts token t
+    targets = input_ids[:, 1:].reshape(-1).long()
+    parts = [
+        torch.utils.checkpoint.checkpoint(
+            _chunk_logprobs, states[i : i + chunk], targets[i : i + chunk], weight, temperature, use_reentrant=False
+        )
+        for i in range(0, states.shape[0], chunk)
+    ]
+    return torch.cat([out, torch.cat(parts).view(b, t - 1)], dim=1)
+
+
+def _chunk_logprobs(states: Tensor, targets: Tensor, weight: Tensor, temperature: float) -> Tensor:
+    logits = (states @ weight.T).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
 
 
 def token_mask(lengths: Sequence[int] | Tensor, width: int) -> Tensor:

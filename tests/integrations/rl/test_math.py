@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -309,6 +310,54 @@ def test_token_logprobs_grad_and_validation() -> None:
         c.token_logprobs(torch.zeros(2, 3, 4), torch.zeros(2, 3))
     with pytest.raises(InvalidArgument, match="temperature"):
         c.token_logprobs(torch.zeros(2, 3, 4), torch.zeros(2, 3, dtype=torch.long), temperature=0.0)
+
+
+@given(b=st.integers(1, 3), t=st.integers(1, 7), chunk=st.integers(1, 8), seed=seeds, temp=st.sampled_from([1.0, 0.7]))
+def test_chunked_token_logprobs_equal_the_whole_logits_path(b: int, t: int, chunk: int, seed: int, temp: float) -> None:
+    """Chunked and unchunked log-probs agree to 1e-6 in fp32, and so do their gradients in the hidden
+    states and in the output weight (to 1e-6 of the largest gradient)."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(b, t, 6, generator=g, requires_grad=True)
+    weight = torch.randn(13, 6, generator=g, requires_grad=True)
+    ids = torch.randint(0, 13, (b, t), generator=g)
+    upstream = torch.randn(b, t, generator=g)
+    got = c.chunked_token_logprobs(hidden, weight, ids, temperature=temp, chunk_tokens=chunk)
+    hg, wg = torch.autograd.grad((got * upstream).sum(), (hidden, weight)) if t > 1 else (None, None)
+    want = c.token_logprobs(hidden @ weight.T, ids, temperature=temp)
+    assert got.dtype == torch.float32 and got.shape == (b, t)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    if t > 1:
+        hw, ww = torch.autograd.grad((want * upstream).sum(), (hidden, weight))
+        for a, ref in ((hg, hw), (wg, ww)):  # fp32 sums in another grouping: a few ulps of the largest
+            assert float((a - ref).abs().max()) <= 1e-6 * max(1.0, float(ref.abs().max())), (a, ref)
+
+
+def test_chunked_token_logprobs_keep_one_chunk_of_logits_at_most() -> None:
+    """No tensor the autograd graph keeps holds a vocabulary-wide row for more token positions than
+    one chunk (the whole path keeps all of them); the backward recomputes each chunk."""
+    vocab, chunk = 1000, 4
+    hidden = torch.randn(2, 17, 8, requires_grad=True)
+    weight = torch.randn(vocab, 8, requires_grad=True)
+    ids = torch.randint(0, vocab, (2, 17))
+
+    def widest_saved(fn: Any) -> int:
+        sizes: list[int] = []
+
+        def pack(x: torch.Tensor) -> torch.Tensor:
+            if x.dim() and x.shape[-1] == vocab and x.data_ptr() != weight.data_ptr():
+                sizes.append(x.numel() // vocab)  # token positions of [*, V] it holds
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            fn().sum().backward()
+        return max(sizes, default=0)
+
+    assert widest_saved(lambda: c.chunked_token_logprobs(hidden, weight, ids, chunk_tokens=chunk)) <= chunk
+    assert widest_saved(lambda: c.token_logprobs(hidden @ weight.T, ids)) >= 2 * 16  # the rule can fail
+    with pytest.raises(InvalidArgument, match="chunk_tokens"):
+        c.chunked_token_logprobs(hidden, weight, ids, chunk_tokens=0)
+    with pytest.raises(InvalidArgument, match=r"\[V, H=8\]"):
+        c.chunked_token_logprobs(hidden, weight.T, ids)
 
 
 def test_token_mask_and_names() -> None:
