@@ -45,6 +45,7 @@ __all__ = [
     "row_key",
     "shift_to_tokens",
     "token_logprobs",
+    "token_entropy",
     "token_mask",
 ]
 
@@ -159,8 +160,15 @@ def token_logprobs(logits: Tensor, input_ids: Tensor, *, temperature: float = 1.
 
 
 def chunked_token_logprobs(
-    hidden: Tensor, weight: Tensor, input_ids: Tensor, *, temperature: float = 1.0, chunk_tokens: int = 1024
-) -> Tensor:
+    hidden: Tensor,
+    weight: Tensor,
+    input_ids: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_tokens: int = 1024,
+    with_entropy: bool = False,
+    bias: Tensor | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`token_logprobs` of ``hidden @ weight.T``, never holding more than ``chunk_tokens`` rows
     of ``[*, V]`` logits: the output layer runs on one chunk of token positions at a time, in float32,
     and the backward recomputes each chunk's logits (``torch.utils.checkpoint``) instead of keeping them.
@@ -174,9 +182,14 @@ def chunked_token_logprobs(
         input_ids: ``[B, T]`` integer token ids.
         temperature: the sampling temperature the tokens were generated with; must be > 0.
         chunk_tokens: token positions per chunk, >= 1.
+        with_entropy: also return the entropy of each position's next-token distribution (at
+            ``temperature``), token-aligned like the log-probs and computed from the same chunk of
+            logits (a metric: it carries no gradient).
+        bias: ``[V]`` the output layer's bias, if it has one.
 
     Returns:
-        ``[B, T]`` float32, position 0 holding 0; differentiable in ``hidden`` and ``weight``.
+        ``[B, T]`` float32, position 0 holding 0; differentiable in ``hidden`` and ``weight``; with
+        ``with_entropy``, the pair ``(logprobs, entropy)``.
 
     Example:
         >>> import torch
@@ -191,6 +204,9 @@ def chunked_token_logprobs(
     if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[1] != h:
         got = tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__
         raise InvalidArgument(f"weight must be the output layer's [V, H={h}] weight, got {got}")
+    if bias is not None and (not isinstance(bias, Tensor) or tuple(bias.shape) != (weight.shape[0],)):
+        got = tuple(bias.shape) if isinstance(bias, Tensor) else type(bias).__name__
+        raise InvalidArgument(f"bias must be the output layer's [V={weight.shape[0]}] bias or None, got {got}")
     if not isinstance(input_ids, Tensor) or input_ids.is_nested or tuple(input_ids.shape) != (b, t):
         got = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
         raise InvalidArgument(f"input_ids must be an integer tensor [B, T] = {(b, t)} matching hidden, got {got}")
@@ -198,25 +214,63 @@ def chunked_token_logprobs(
         raise InvalidArgument(f"input_ids must hold integer token ids, got {input_ids.dtype}; use input_ids.long()")
     temperature = check_number("temperature", temperature, low=0, low_open=True)
     chunk = check_int("chunk_tokens", chunk_tokens, low=1)
-    out = torch.zeros(b, 1, dtype=torch.float32, device=hidden.device)
-    if t < 2:
-        return out.expand(b, t).clone()
+    first = torch.zeros(b, 1, dtype=torch.float32, device=hidden.device)
+    if t < 2 or b == 0:  # nothing to predict: zeros, still in the graph (an FSDP2 backward must reach every unit)
+        lp = hidden[..., 0].float() * 0 + weight.sum().float() * 0
+        return (lp, lp.detach().clone()) if with_entropy else lp
     states = hidden[:, :-1].reshape(-1, h)  # position t-1 predicts token t
     targets = input_ids[:, 1:].reshape(-1).long()
-    parts = [
-        torch.utils.checkpoint.checkpoint(
-            _chunk_logprobs, states[i : i + chunk], targets[i : i + chunk], weight, temperature, use_reentrant=False
+    # Checkpoint only where a backward will come: a forward-only pass keeps nothing anyway.
+    grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias))
+    parts: list[Tensor] = []
+    entropies: list[Tensor] = []
+    for i in range(0, states.shape[0], chunk):
+        args = (states[i : i + chunk], targets[i : i + chunk], weight, bias, temperature, with_entropy)
+        lp, ent = (
+            torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+            if grad
+            else _chunk_logprobs(*args)
         )
-        for i in range(0, states.shape[0], chunk)
-    ]
-    return torch.cat([out, torch.cat(parts).view(b, t - 1)], dim=1)
+        parts.append(lp)
+        if ent is not None:
+            entropies.append(ent)
+    logprobs = torch.cat([first, torch.cat(parts).view(b, t - 1)], dim=1)
+    if not with_entropy:
+        return logprobs
+    return logprobs, torch.cat([first, torch.cat(entropies).view(b, t - 1)], dim=1)
 
 
-def _chunk_logprobs(states: Tensor, targets: Tensor, weight: Tensor, temperature: float) -> Tensor:
-    logits = (states @ weight.T).float()
+def _chunk_logprobs(
+    states: Tensor, targets: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, with_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
+    logits = (states @ weight.T if bias is None else torch.addmm(bias, states, weight.T)).float()
     if temperature != 1.0:
         logits = logits / temperature
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+    lse = logits.logsumexp(-1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():  # H = lse - sum(p * logits); a metric, no gradient
+            entropy = lse.detach() - (logits.detach().softmax(-1) * logits.detach()).sum(-1)
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse, entropy
+
+
+def token_entropy(logits: Tensor, *, temperature: float = 1.0) -> Tensor:
+    """Token-aligned entropy ``[B, T]`` (float32, no gradient) of the next-token distributions of
+    ``logits [B, T, V]`` at ``temperature``: ``out[:, t]`` is that of the distribution token ``t`` was
+    drawn from; position 0 holds 0 (see :func:`token_logprobs`).
+
+    >>> import math, torch
+    >>> abs(float(token_entropy(torch.zeros(1, 2, 4))[0, 1]) - math.log(4)) < 1e-6
+    True
+    """
+    if not isinstance(logits, Tensor) or logits.dim() != 3 or not logits.is_floating_point():
+        got = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
+        raise InvalidArgument(f"logits must be a floating point tensor [B, T, V], got {got}")
+    check_number("temperature", temperature, low=0, low_open=True)
+    with torch.no_grad():
+        scaled = logits[:, :-1].float() / temperature
+        ent = scaled.logsumexp(-1) - (scaled.softmax(-1) * scaled).sum(-1)
+        return torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1)
 
 
 def token_mask(lengths: Sequence[int] | Tensor, width: int) -> Tensor:

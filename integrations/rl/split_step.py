@@ -19,7 +19,9 @@ How the numbers stay equal to a one-shot step:
 
 Metrics of the loss follow a naming rule when aggregated at ``finish``: ``*_min`` and ``*_max`` are
 reduced by min and max, ``num_*`` are summed counts, ``lr`` is the learning rate of the step, and
-anything else is an unnormalised sum divided by ``N`` (so it reads as a mean over the step).
+anything else is an unnormalised sum divided by ``N`` (so it reads as a mean over the step). When the
+microbatches report ``num_tokens_real`` and ``num_tokens_computed`` (the RL workers do), the step adds
+``real_token_share``, their ratio: the share of the tokens it computed that were not padding.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ __all__ = [
     "aggregate_metrics",
     "clip_grad_norm_",
     "grad_norm",
+    "with_token_share",
 ]
 
 
@@ -156,6 +159,19 @@ def aggregate_metrics(
     return dict(sorted(out.items()))
 
 
+def with_token_share(metrics: dict[str, float]) -> dict[str, float]:
+    """``metrics`` with ``real_token_share = num_tokens_real / num_tokens_computed`` added when it has
+    both (the share of computed tokens that were not padding: what packing rows would save).
+
+    >>> with_token_share({"num_tokens_real": 3.0, "num_tokens_computed": 4.0})["real_token_share"]
+    0.75
+    """
+    real, computed = metrics.get("num_tokens_real"), metrics.get("num_tokens_computed")
+    if real is not None and computed:
+        metrics["real_token_share"] = real / computed
+    return metrics
+
+
 # -- gradient norm ---------------------------------------------------------------------------------
 def grad_norm(parameters: Iterable[nn.Parameter]) -> Tensor:
     """The 2-norm of all gradients, plain tensors and DTensors (FSDP2, TP) alike, as a float64 CPU tensor.
@@ -223,6 +239,7 @@ class OpenStep:
     count: Tensor
     metrics: list[dict[str, float]] = field(default_factory=list)
     microbatches: int = 0
+    noted: dict[str, float] = field(default_factory=dict)
 
 
 class SplitTrainStepMixin:
@@ -294,7 +311,9 @@ class SplitTrainStepMixin:
         self._open_step()
         self._train_step = OpenStep(loss_fn=loss_fn, count=torch.zeros((), dtype=torch.float64))
 
-    def train_microbatch(self, batch: Any, *, dummy: bool = False) -> dict[str, float]:
+    def train_microbatch(
+        self, batch: Any, *, dummy: bool = False, counts: Mapping[str, float] | None = None
+    ) -> dict[str, float]:
         """Forward and backward one microbatch.
 
         Every rank of the training group must call it the same number of times per step. A rank with
@@ -302,18 +321,35 @@ class SplitTrainStepMixin:
         forward, e.g. one row of padding; its loss is multiplied by 0, it counts nothing and its
         metrics are neutral), so it still joins every collective of every forward and backward.
 
+        Args:
+            batch: what :meth:`loss_inputs` and the loss read.
+            dummy: see above.
+            counts: metrics added as given, a dummy's too (e.g. ``num_tokens_computed``: a dummy's
+                forward costs what it costs).
+
         Returns:
             this microbatch's local metrics, unnormalised (``loss`` is its sum).
         """
         step = self._require_open("train_microbatch")
+        step.noted.clear()
         metrics, count = self._forward_backward(step, batch, dummy)
+        metrics.update(step.noted)
+        step.noted.clear()
         if dummy:
             metrics = {k: _neutral(k) for k in metrics}
         elif count is not None:
             step.count += count
+        metrics.update(counts or {})
         step.microbatches += 1
         step.metrics.append(metrics)
         return metrics
+
+    def note_microbatch_metrics(self, **values: float) -> None:
+        """Add metrics to the microbatch being trained, from inside its forward (e.g. the policy's
+        entropy, which only the forward sees). Named by the naming rule; neutral for a dummy.
+        A no-op outside a step."""
+        if self._train_step is not None:
+            self._train_step.noted.update({k: float(v) for k, v in values.items()})
 
     def finish_train_step(self) -> dict[str, float]:
         """Normalise by the global count, clip, step the optimizer and scheduler; close the step.
@@ -334,7 +370,7 @@ class SplitTrainStepMixin:
         self._train_step = None
         self.weight_version += 1
         metrics.update(grad_norm=norm, lr=lr, num_microbatches=microbatches, num_elements=n)
-        return metrics
+        return with_token_share(metrics)
 
     def abort_train_step(self) -> None:
         """Drop the open step: gradients cleared, parameters, optimizer state and version untouched.

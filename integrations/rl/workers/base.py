@@ -37,10 +37,18 @@ from dataplane import KVBatchMeta
 from dataplane.checks import check_int
 from dataplane.worker import DataPlaneWorkerMixin, ErrorInfo, error_from_info, microbatch_plan
 from dataplane.worker.collective import comm_device
-from integrations.rl.conventions import INPUT_IDS, LOSS_MASK, PREV_LOGPROBS, VALUES, shift_to_tokens, token_logprobs
-from integrations.rl.split_step import SplitTrainStepMixin
+from integrations.rl.conventions import (
+    INPUT_IDS,
+    LOSS_MASK,
+    PREV_LOGPROBS,
+    VALUES,
+    shift_to_tokens,
+    token_entropy,
+    token_logprobs,
+)
+from integrations.rl.split_step import SplitTrainStepMixin, with_token_share
 
-__all__ = ["RLWorkerMixin", "eval_mode"]
+__all__ = ["RLWorkerMixin", "eval_mode", "token_counts"]
 
 
 @contextlib.contextmanager
@@ -79,12 +87,21 @@ class RLWorkerMixin(SplitTrainStepMixin, DataPlaneWorkerMixin):
             and what PPO needs). False keeps the output at t where it is (V after seeing token t,
             one token late): the misalignment a PPO port paid ~10 points of reward for, kept only as
             an ablation switch.
+        report_entropy: a policy's train step reports ``entropy``, the mean entropy of the
+            next-token distributions of its valid tokens (for a token-level loss; a sequence-level
+            loss's ``N`` counts rows, so there it is the sum per row).
+        forward_metrics: what the last forward-only call (logprobs or values) computed, summed over
+            DP: ``num_tokens_real`` (tokens within the rows' lengths), ``num_tokens_computed`` (rows
+            times the padded width, dummies included) and ``real_token_share``, their ratio. The
+            train step's metrics carry the same three.
     """
 
     logprob_temperature: float = 1.0
     value_shift: bool = True
     forward_micro_batch_size: int | None = None
     train_micro_batch_size: int | None = None
+    report_entropy: bool = False
+    forward_metrics: dict[str, float] = {}  # noqa: RUF012 - replaced, never mutated
 
     # -- the host's model ------------------------------------------------------------------------
     def compute_device(self) -> torch.device:
@@ -103,6 +120,14 @@ class RLWorkerMixin(SplitTrainStepMixin, DataPlaneWorkerMixin):
         """Token-aligned logprobs ``[B, T]`` of ``input_ids`` (position 0 holds 0)."""
         return token_logprobs(self.policy_logits(input_ids), input_ids, temperature=self.logprob_temperature)
 
+    def token_logprobs_and_entropy(self, input_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """:meth:`token_logprobs_of` and the token-aligned entropy ``[B, T]`` (no gradient) of the
+        distributions the tokens were drawn from, from one forward. A worker whose model computes
+        log-probs in chunks overrides this and :meth:`token_logprobs_of`."""
+        logits = self.policy_logits(input_ids)
+        t = self.logprob_temperature
+        return token_logprobs(logits, input_ids, temperature=t), token_entropy(logits, temperature=t)
+
     def token_values_of(self, input_ids: Tensor) -> Tensor:
         """Token-aligned values ``[B, T]``: ``V(s_t)``, predicted before token t (position 0 holds 0)."""
         out = self.value_predictions(input_ids)
@@ -111,7 +136,13 @@ class RLWorkerMixin(SplitTrainStepMixin, DataPlaneWorkerMixin):
     # -- split-step hooks ------------------------------------------------------------------------
     def loss_inputs(self, batch: Any, loss_fn: Any) -> Tensor:
         ids = batch[INPUT_IDS]
-        return self.token_logprobs_of(ids) if loss_fn.input == "logprobs" else self.token_values_of(ids)
+        if loss_fn.input != "logprobs":
+            return self.token_values_of(ids)
+        if not self.report_entropy or LOSS_MASK not in batch.keys():
+            return self.token_logprobs_of(ids)
+        logprobs, entropy = self.token_logprobs_and_entropy(ids)
+        self.note_microbatch_metrics(entropy=float((entropy * batch[LOSS_MASK].to(entropy.dtype)).sum()))
+        return logprobs
 
     # -- presharded calls ------------------------------------------------------------------------
     def train_presharded(self, meta: KVBatchMeta, loss_fn: Any) -> dict[str, float]:
@@ -160,7 +191,10 @@ class RLWorkerMixin(SplitTrainStepMixin, DataPlaneWorkerMixin):
         """
         self._require_open("train_microbatches")
         planned = self.planned_microbatches(data, meta, self.train_micro_batch_size)
-        return [self.train_microbatch(mb, dummy=not positions) for positions, mb in planned]
+        return [
+            self.train_microbatch(mb, dummy=not positions, counts=token_counts(mb, positions, meta))
+            for positions, mb in planned
+        ]
 
     def get_logprobs_presharded(self, meta: KVBatchMeta, out_field: str = PREV_LOGPROBS) -> KVBatchMeta | None:
         """Write this shard's token-aligned logprobs to ``out_field`` (from the replica leader only).
@@ -265,12 +299,23 @@ class RLWorkerMixin(SplitTrainStepMixin, DataPlaneWorkerMixin):
     def _forward_planned(self, data: TensorDictBase, meta: KVBatchMeta, forward: Any) -> Tensor:
         width = int(data[INPUT_IDS].shape[1]) if meta.size else 0
         result = torch.zeros(meta.size, width, dtype=torch.float32)
+        counts = torch.zeros(2, dtype=torch.float64)
         with eval_mode(self.model):
             for positions, mb in self.planned_microbatches(data, meta, self.forward_micro_batch_size):
                 out = forward(mb[INPUT_IDS])
+                counts += torch.tensor(list(token_counts(mb, positions, meta).values()), dtype=torch.float64)
                 if positions:
                     result[torch.tensor(positions, dtype=torch.int64)] = out.detach().float().cpu()
+        self.forward_metrics = self._summed_token_counts(counts)
         return result
+
+    def _summed_token_counts(self, counts: Tensor) -> dict[str, float]:
+        group = self.train_dp_group()
+        if group is not None and dist.get_world_size(group) > 1:
+            counts = counts.to(comm_device(group))
+            dist.all_reduce(counts, group=group)
+        real, computed = counts.cpu().tolist()
+        return with_token_share({"num_tokens_real": real, "num_tokens_computed": computed})
 
     def _forward_presharded(self, meta: KVBatchMeta, out_field: str, forward: Any) -> KVBatchMeta | None:
         data = self.fetch_agreed(meta, [INPUT_IDS])
@@ -278,6 +323,15 @@ class RLWorkerMixin(SplitTrainStepMixin, DataPlaneWorkerMixin):
         if meta.size == 0:
             return meta if self.is_writeback_leader() else None
         return self.write_back(meta, {out_field: result}, token_fields=[out_field])
+
+
+def token_counts(mb: TensorDictBase, positions: list[int], meta: KVBatchMeta) -> dict[str, float]:
+    """The tokens a microbatch computes (rows x padded width; a dummy's one row too) and the real ones
+    among them (its rows' lengths in ``meta``)."""
+    ids = mb[INPUT_IDS]
+    lengths = meta.sequence_lengths
+    real = sum(int(lengths[i]) for i in positions) if lengths is not None else int(ids.numel()) if positions else 0
+    return {"num_tokens_real": float(real), "num_tokens_computed": float(ids.numel())}
 
 
 _NO_RANK = 2**62

@@ -25,6 +25,15 @@ both call ``self.model(input_ids)``, override them for other signatures (a Huggi
 ``self.model(input_ids=ids).logits``). Rows are right-padded and position ``t`` must see only
 tokens ``0..t``.
 
+Full logits cost ``[B, T, V]`` floats (10 GB in float32 for 16k tokens of a 152k vocabulary). A
+policy model that computes its token log-probs itself, one chunk of logits at a time
+(:func:`~integrations.rl.conventions.chunked_token_logprobs` inside its forward, where FSDP2 has its
+output layer gathered), says so with ``chunked_logprobs = True`` on the worker; its forward then takes
+``(input_ids, *, output="logprobs", temperature=..., entropy=...)`` and returns ``[B, T]`` float32
+log-probs (with ``entropy=True``, the pair with the entropies). :class:`~integrations.rl.workers.hf.CausalLMPolicy`
+wraps any Hugging Face causal LM that way, and :class:`~integrations.rl.workers.model.TinyCausalLM`
+has it built in.
+
 Microbatches follow the plan in ``meta.extra_info["microbatches"]`` and are never re-packed; every
 DP rank runs the same number of forwards (the shortest pads with one-row, zero-loss dummies), so no
 rank waits in a collective its peers never reach. Context parallelism is the host's: CP ranks are
@@ -99,6 +108,9 @@ class DTensorRLWorkerMixin(DeviceMeshReplicaMixin, RLWorkerMixin):
     sizes) are :class:`~integrations.rl.workers.base.RLWorkerMixin`'s.
     """
 
+    #: the model computes its own token log-probs in chunks (see the module docstring)
+    chunked_logprobs: bool = False
+
     # -- the host's model ------------------------------------------------------------------------
     def compute_device(self) -> torch.device:
         """Where fetched batches go for the forward: the mesh's device type (the current CUDA device)."""
@@ -114,6 +126,19 @@ class DTensorRLWorkerMixin(DeviceMeshReplicaMixin, RLWorkerMixin):
         """``input_ids [B, T] -> [B, T]``: at position t, the value after seeing tokens ``0..t``."""
         out = _plain(self.model(input_ids))
         return out.squeeze(-1) if out.dim() == 3 else out
+
+    def token_logprobs_of(self, input_ids: Tensor) -> Tensor:
+        """Token-aligned logprobs ``[B, T]``: from the model's own chunked path when
+        ``chunked_logprobs``, else from :meth:`policy_logits`."""
+        if not self.chunked_logprobs:
+            return super().token_logprobs_of(input_ids)
+        return _plain(self.model(input_ids, output="logprobs", temperature=self.logprob_temperature))
+
+    def token_logprobs_and_entropy(self, input_ids: Tensor) -> tuple[Tensor, Tensor]:
+        if not self.chunked_logprobs:
+            return super().token_logprobs_and_entropy(input_ids)
+        lp, ent = self.model(input_ids, output="logprobs", temperature=self.logprob_temperature, entropy=True)
+        return _plain(lp), _plain(ent)
 
     # -- split-step hooks ------------------------------------------------------------------------
     def train_dp_group(self) -> Any | None:

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from dataplane import InvalidArgument
 from dataplane.checks import check_int
+from integrations.rl.conventions import chunked_token_logprobs
 from integrations.rl.workers.dtensor import use_sum_reduction
 
 __all__ = ["TinyCausalLM", "TinyConfig", "shard_tiny_model", "tp_plan"]
@@ -131,16 +132,42 @@ class TinyCausalLM(nn.Module):
         self.norm = nn.LayerNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size if cfg.head == "lm" else 1, bias=cfg.head == "value")
 
-    def forward(self, input_ids: Tensor) -> Tensor:
+    def forward(
+        self,
+        input_ids: Tensor,
+        *,
+        output: Literal["logits", "logprobs"] = "logits",
+        temperature: float = 1.0,
+        entropy: bool = False,
+        chunk_tokens: int = 1024,
+    ) -> Any:
+        """Logits ``[B, T, V]`` (values ``[B, T]`` for a value head), or with ``output="logprobs"``
+        the token-aligned log-probs of ``input_ids`` computed one chunk of logits at a time
+        (:func:`~integrations.rl.conventions.chunked_token_logprobs`; with ``entropy``, the pair with
+        the entropies): the path the RL workers train on."""
         t = int(input_ids.shape[1])
         if t > self.cfg.max_len:
             raise InvalidArgument(f"rows of {t} tokens exceed TinyConfig.max_len={self.cfg.max_len}; raise max_len")
         x = self.embed(input_ids) + self.pos(torch.arange(t, device=input_ids.device))
         for block in self.blocks:
             x = block(x)
+        if output == "logprobs":
+            if self.cfg.head != "lm":
+                raise InvalidArgument("output='logprobs' needs a TinyConfig(head='lm') model")
+            return chunked_token_logprobs(
+                self.norm(x),
+                self.head.weight,
+                input_ids,
+                temperature=temperature,
+                chunk_tokens=chunk_tokens,
+                with_entropy=entropy,
+                bias=self.head.bias,
+            )
+        if output != "logits":
+            raise InvalidArgument(f"output must be 'logits' or 'logprobs', got {output!r}")
         out = self.head(self.norm(x))
         # a value head's [B, T, 1] as [B, T]: a copy, not a view (FSDP2 warns about returning views)
-        return out.squeeze(-1).clone() if self.cfg.head == "value" else out  # type: ignore[no-any-return]
+        return out.squeeze(-1).clone() if self.cfg.head == "value" else out
 
     def step(self, input_ids: Tensor, cache: list[tuple[Tensor, Tensor]] | None = None) -> tuple[Tensor, list[Any]]:
         """Incremental forward for generation (an unsharded model): ``input_ids`` are the positions after

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from dataplane import InvalidArgument
 from dataplane.checks import check_int
+from integrations.rl.optim import build_optimizer
 from integrations.rl.workers.dtensor import DTensorRLWorkerMixin
 from integrations.rl.workers.model import TinyCausalLM, TinyConfig, shard_tiny_model
 
@@ -38,7 +39,12 @@ class TinyDTensorWorker(DTensorRLWorkerMixin):
         seed: initial weights.
         device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL; the current device).
         value_shift: see :class:`~integrations.rl.workers.dtensor.DTensorRLWorkerMixin` (an ablation switch).
+
+    Log-probs come from the model's chunked path (``chunked_logprobs``), and a policy's train step
+    reports its ``entropy``, as for the Hugging Face worker.
     """
+
+    chunked_logprobs = True
 
     def __init__(
         self,
@@ -70,16 +76,12 @@ class TinyDTensorWorker(DTensorRLWorkerMixin):
         if device != "cpu":
             model = model.to(device)
         self.model = shard_tiny_model(model, self.device_mesh)
-        if optimizer == "adamw":
-            self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(
-                self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, foreach=False
-            )
-        elif optimizer == "sgd":
-            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr, weight_decay=weight_decay, foreach=False)
-        else:
-            raise InvalidArgument(f"optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
+        self.optimizer = build_optimizer(
+            self.model.parameters(), name=optimizer, lr=lr, weight_decay=weight_decay, betas=betas
+        )
         self.max_grad_norm = max_grad_norm
         self.value_shift = value_shift
+        self.report_entropy = self.config.head == "lm"
 
     def state(self) -> dict[str, Any]:
         """Whole parameters and optimizer state on the CPU (a collective: call on every rank)."""
