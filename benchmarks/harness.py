@@ -50,6 +50,7 @@ _PACKAGES = (
     "ray",
     "mooncake-transfer-engine-non-cuda",
     "mooncake-transfer-engine",
+    "transformers",
 )
 
 
