@@ -227,7 +227,7 @@ def _logprob_path_memory(
         peak_reset()
         t0 = time.perf_counter()
         try:
-            fn().sum().backward()
+            fn().sum().backward()  # type: ignore[no-untyped-call]
             sync()
             out[f"{name}_s"] = time.perf_counter() - t0
             out[f"{name}_peak_above_gib"] = peak_gib() - base

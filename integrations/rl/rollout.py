@@ -20,13 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from dataplane import InvalidArgument
 from dataplane.checks import check_int, check_number
-from integrations.rl.workers.model import TinyCausalLM
 
 __all__ = ["CountingTask", "Generation", "generate"]
 
@@ -55,7 +55,7 @@ class Generation:
 
 @torch.no_grad()
 def generate(
-    model: TinyCausalLM,
+    model: Any,
     prompts: Tensor,
     max_new_tokens: int,
     *,
@@ -64,6 +64,9 @@ def generate(
     generator: torch.Generator | Sequence[torch.Generator] | None = None,
 ) -> Generation:
     """Sample ``max_new_tokens`` after each prompt (all prompts ``P`` long), stopping rows at ``eos_id``.
+
+    ``model`` is a :class:`~integrations.rl.workers.model.TinyCausalLM` or any module with its
+    ``step(input_ids, cache) -> (logits, cache)`` (:class:`~integrations.rl.workers.hf.CausalLMPolicy`).
 
     Sampling is from ``softmax(logits / temperature)`` with ``generator`` (same seed, same weights:
     same tokens). The returned logprobs are those of the sampled tokens under that distribution.

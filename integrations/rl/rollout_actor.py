@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tensordict import TensorDict
@@ -92,10 +92,13 @@ def rollout_meta(
 
 
 class RolloutActor:
-    """Samples from a :class:`~integrations.rl.workers.model.TinyCausalLM` and writes scored rollouts.
+    """Samples from the policy model (unsharded, on the CPU) and writes scored rollouts.
 
     Args:
-        config: the model's shape (the trainers' policy model).
+        config: the trainers' policy model: a :class:`~integrations.rl.workers.model.TinyConfig`, or a
+            picklable callable that builds the model (e.g. a
+            :class:`~integrations.rl.workers.hf.CausalLMPolicy`): an ``nn.Module`` with ``vocab_size``
+            and ``step(input_ids, cache) -> (logits, cache)``, whose parameter names are the trainers'.
         task: prompts and the reward (default :class:`~integrations.rl.rollout.CountingTask`).
         prompts_per_step, group_size: prompts per rollout and samples per prompt.
         max_new_tokens, temperature: sampling.
@@ -108,7 +111,7 @@ class RolloutActor:
 
     def __init__(
         self,
-        config: TinyConfig,
+        config: TinyConfig | Callable[[], torch.nn.Module],
         task: CountingTask | None = None,
         *,
         prompts_per_step: int = 8,
@@ -125,16 +128,15 @@ class RolloutActor:
         self.latency_s = check_number("latency_s", latency_s, low=0, high=3600, high_open=True)
         torch.set_num_threads(threads)
         self.config = config
-        self.task = task or CountingTask(vocab_size=config.vocab_size)
-        if self.task.vocab_size > config.vocab_size:
-            raise InvalidArgument(
-                f"the task's vocab_size {self.task.vocab_size} exceeds the model's {config.vocab_size}"
-            )
+        self.model: Any = TinyCausalLM(config) if isinstance(config, TinyConfig) else config()
+        vocab = int(cast(Any, self.model).vocab_size)
+        self.task = task or CountingTask(vocab_size=vocab)
+        if self.task.vocab_size > vocab:
+            raise InvalidArgument(f"the task's vocab_size {self.task.vocab_size} exceeds the model's {vocab}")
         self.prompts_per_step, self.group_size = prompts_per_step, group_size
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.reward_fn: Callable[[Any, Any], float] = reward_fn or self.task.reward
         self.seed = seed
-        self.model = TinyCausalLM(config)
         self.weight_version = 0
         self.meter = TrafficMeter()
         self._client: Any = None

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import functools
 import json
 import os
 import platform
@@ -22,6 +21,7 @@ import dataplane
 from dataplane import DataPlaneClient, InvalidArgument
 from dataplane.checks import check_int, check_number
 from integrations.rl.controller import AsyncConfig, AsyncGRPO
+from integrations.rl.examples import models
 from integrations.rl.grpo import GRPO, GRPOConfig
 from integrations.rl.metering import add_totals
 from integrations.rl.policy import Policy, gather
@@ -29,8 +29,6 @@ from integrations.rl.ppo import PPO, PPOConfig
 from integrations.rl.rollout import CountingTask
 from integrations.rl.rollout_actor import RolloutActor
 from integrations.rl.sync_loop import StepRecord, SyncLoop
-from integrations.rl.workers.model import TinyConfig
-from integrations.rl.workers.tiny import TinyDTensorWorker
 
 __all__ = ["Cluster", "Options", "main", "parse_args", "run", "start_ray"]
 
@@ -40,6 +38,7 @@ class Options:
     """One run's settings (the command line's flags)."""
 
     algorithm: Literal["grpo", "ppo", "grpo_async"] = "grpo"
+    model: Literal["tiny", "qwen2", "llama"] = "tiny"
     steps: int = 20
     backend: str = "mooncake://local"
     transport: Literal["dataplane", "inline"] = "dataplane"
@@ -52,7 +51,7 @@ class Options:
     max_new_tokens: int = 6
     vocab_size: int = 8
     target_len: int = 4
-    lr: float = 1e-2
+    lr: float | None = None  # None: the model's (models.default_lr)
     kl_coef: float = 0.01
     value_lr: float = 1e-2
     value_shift: bool = True
@@ -75,6 +74,10 @@ class Options:
                     "asynchronous GRPO moves rows through the data plane only; drop --transport inline"
                 )
             self.async_config()  # validates --max-staleness and --capacity
+        if self.model not in models.MODELS:
+            raise InvalidArgument(f"--model must be one of {models.MODELS}, got {self.model!r}")
+        if self.lr is None:
+            object.__setattr__(self, "lr", models.default_lr(self.model))
         if self.transport not in ("dataplane", "inline"):
             raise InvalidArgument(f"--transport must be 'dataplane' or 'inline', got {self.transport!r}")
         check_number("--rollout-latency", self.rollout_latency, low=0, high=3600, high_open=True)
@@ -94,33 +97,16 @@ class Options:
                     f"dp x tp <= {have}, run on a host with {need} GPUs, or use --device cpu"
                 )
 
-    def model(self) -> TinyConfig:
-        return TinyConfig(vocab_size=self.vocab_size, dim=32, n_layers=2, n_heads=4, max_len=32)
+    def rollout_model(self) -> Any:
+        """What the rollout actor samples with (see :mod:`integrations.rl.examples.models`)."""
+        return models.rollout_model(self)
 
     def task(self) -> CountingTask:
         return CountingTask(vocab_size=self.vocab_size, prompt_len=4, target_len=self.target_len)
 
-    def factories(self) -> dict[str, Callable[[], TinyDTensorWorker]]:
-        """The trainer ranks' models: the policy, a frozen reference from the same seed when there is
-        a KL penalty, and for PPO a value model (``head="value"``); built on ``device`` (on CUDA, the
-        rank's current device)."""
-        on: dict[str, Any] = {} if self.device == "cpu" else {"device": self.device}
-        policy = functools.partial(TinyDTensorWorker, self.model(), tp=self.tp, lr=self.lr, seed=self.seed, **on)
-        out: dict[str, Callable[[], TinyDTensorWorker]] = {"policy": policy}
-        if self.kl_coef > 0:
-            out["reference"] = policy
-        if self.algorithm == "ppo":
-            value = replace(self.model(), head="value")
-            out["value"] = functools.partial(
-                TinyDTensorWorker,
-                value,
-                tp=self.tp,
-                lr=self.value_lr,
-                seed=self.seed + 1,
-                value_shift=self.value_shift,
-                **on,
-            )
-        return out
+    def factories(self) -> dict[str, Callable[[], Any]]:
+        """The trainer ranks' workers (see :func:`integrations.rl.examples.models.worker_factories`)."""
+        return models.worker_factories(self)
 
     def trainer_resources(self) -> dict[str, Any]:
         """What :meth:`Policy.spawn <integrations.rl.policy.Policy.spawn>` takes besides the defaults for
@@ -208,7 +194,7 @@ class Cluster:
             ray.remote(RolloutActor)
             .options(num_cpus=share)
             .remote(
-                opts.model(),
+                opts.rollout_model(),
                 opts.task(),
                 prompts_per_step=opts.prompts_per_step,
                 group_size=opts.group_size,
@@ -232,7 +218,7 @@ class Cluster:
 
     def reset(self, opts: Options, url: str | None) -> None:
         """Fresh models from ``opts.seed``, the rollout's seed, and the data plane at ``url`` (or none)."""
-        same: tuple[str, ...] = ("dp", "tp", "prompts_per_step", "group_size", "max_new_tokens", "vocab_size")
+        same: tuple[str, ...] = ("model", "dp", "tp", "prompts_per_step", "group_size", "max_new_tokens", "vocab_size")
         same += ("target_len", "max_tokens_per_microbatch", "rollout_actors", "rollout_latency", "device")
         if any(getattr(opts, k) != getattr(self.opts, k) for k in same):
             raise InvalidArgument(f"a cluster runs one shape; start another for different {same}")
@@ -480,6 +466,12 @@ def parse_args(argv: Sequence[str] | None = None, *, defaults: Options, module: 
     """The example's command line over ``defaults`` (its algorithm's settings)."""
     p = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n")[0])
     p.add_argument("--steps", type=int, default=20, help="GRPO steps (default 20)")
+    p.add_argument(
+        "--model",
+        choices=models.MODELS,
+        default="tiny",
+        help="tiny (pure torch) or a Hugging Face architecture at a tiny size, random init (default tiny)",
+    )
     p.add_argument("--backend", default="mooncake://local", help="data plane URL (default mooncake://local)")
     if defaults.algorithm != "grpo_async":
         p.add_argument("--transport", choices=["dataplane", "inline"], default="dataplane")
@@ -494,7 +486,7 @@ def parse_args(argv: Sequence[str] | None = None, *, defaults: Options, module: 
         help="where the trainer ranks compute: cpu (gloo, default) or cuda (a GPU per rank, NCCL); "
         "the rollout actor samples on the CPU either way",
     )
-    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default: 1e-2 tiny, 3e-2 qwen2/llama)")
     p.add_argument("--kl-coef", type=float, default=defaults.kl_coef)
     if defaults.algorithm == "ppo":
         p.add_argument("--value-lr", type=float, default=defaults.value_lr)
@@ -539,6 +531,7 @@ def parse_args(argv: Sequence[str] | None = None, *, defaults: Options, module: 
         value_lr=a.value_lr if ppo else defaults.value_lr,
         value_shift=not a.no_value_shift if ppo else True,
         steps=a.steps,
+        model=a.model,
         backend=a.backend,
         transport=getattr(a, "transport", "dataplane"),
         train_step=a.train_step,

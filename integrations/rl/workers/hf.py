@@ -72,10 +72,12 @@ def tiny_config(
     intermediate_size: int = 64,
     max_positions: int = 256,
     tie_word_embeddings: bool | None = None,
+    **extra: Any,
 ) -> Any:
     """A small config of ``family`` (``"qwen2"``, ``"llama"``, ``"mistral"``) for tests and CPU examples:
     grouped-query attention (``num_kv_heads``), RMSNorm, rotary positions, SwiGLU as in the real ones.
-    Embeddings are tied for Qwen2 (as in Qwen2.5-0.5B) and untied otherwise, unless given."""
+    Embeddings are tied for Qwen2 (as in Qwen2.5-0.5B) and untied otherwise, unless given; ``extra``
+    goes to the config as is (e.g. ``initializer_range``)."""
     if family not in FAMILIES:
         raise InvalidArgument(f"family must be one of {FAMILIES}, got {family!r}")
     for name, value in (("vocab_size", vocab_size), ("hidden_size", hidden_size), ("num_layers", num_layers)):
@@ -94,6 +96,7 @@ def tiny_config(
         intermediate_size=intermediate_size,
         max_position_embeddings=max_positions,
         tie_word_embeddings=family == "qwen2" if tie_word_embeddings is None else tie_word_embeddings,
+        **extra,
     )
 
 
@@ -170,6 +173,8 @@ class CausalLMPolicy(nn.Module):
         chunk_tokens: token positions per chunk of logits.
     """
 
+    lm: Any
+
     def __init__(self, lm: nn.Module, *, chunk_tokens: int = 1024) -> None:
         super().__init__()
         cfg = getattr(lm, "config", None)
@@ -225,9 +230,11 @@ class CausalLMValue(nn.Module):
     The head starts at the config's ``initializer_range`` (normal weights, zero bias) from ``seed``.
     """
 
+    model: Any
+
     def __init__(self, base: nn.Module, *, seed: int = 0) -> None:
         super().__init__()
-        cfg = base.config  # type: ignore[union-attr]
+        cfg: Any = base.config
         self.model = base
         self.score = nn.Linear(int(cfg.hidden_size), 1)
         with torch.random.fork_rng(devices=[]):
@@ -240,7 +247,7 @@ class CausalLMValue(nn.Module):
         return self.score(hidden).squeeze(-1).float()  # type: ignore[no-any-return]
 
 
-def _pretrained(module: nn.Module) -> nn.Module:
+def _pretrained(module: nn.Module) -> Any:
     inner = (
         module.lm
         if isinstance(module, CausalLMPolicy)

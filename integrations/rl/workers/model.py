@@ -169,6 +169,10 @@ class TinyCausalLM(nn.Module):
         # a value head's [B, T, 1] as [B, T]: a copy, not a view (FSDP2 warns about returning views)
         return out.squeeze(-1).clone() if self.cfg.head == "value" else out
 
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
     def step(self, input_ids: Tensor, cache: list[tuple[Tensor, Tensor]] | None = None) -> tuple[Tensor, list[Any]]:
         """Incremental forward for generation (an unsharded model): ``input_ids`` are the positions after
         the ``cache``'s; returns their outputs (as :meth:`forward` would) and the extended cache."""

@@ -191,8 +191,9 @@ def test_chunked_logprobs_and_gradients_equal_whole_logits(family: str) -> None:
     whole = token_logprobs(policy(ids, output="logits"), ids, temperature=0.8)
     whole.sum().backward()
     torch.testing.assert_close(lp, whole, rtol=1e-6, atol=1e-6)
-    for n, p in policy.named_parameters():
-        torch.testing.assert_close(chunked[n], p.grad, rtol=1e-5, atol=1e-6, msg=n)
+    for n, p in policy.named_parameters():  # summed in another order: equal relative to each gradient's scale
+        scale = float(p.grad.abs().max())
+        assert scale > 0 and float((chunked[n] - p.grad).abs().max()) <= 1e-5 * scale, n
     assert ent.shape == lp.shape and not ent.requires_grad and bool((ent[:, 1:] > 0).all())
 
 

@@ -250,7 +250,7 @@ def test_rollout_actor_writes_keys_tags_and_token_aligned_fields() -> None:
     from integrations.rl.rollout_actor import RolloutActor
 
     opts = OPTS
-    actor = RolloutActor(opts.model(), opts.task(), prompts_per_step=3, group_size=4, max_new_tokens=6, seed=5)
+    actor = RolloutActor(opts.rollout_model(), opts.task(), prompts_per_step=3, group_size=4, max_new_tokens=6, seed=5)
     actor.load_weights(dict(actor.model.named_parameters()), version=7)
     with dataplane.connect() as client:
         actor._client = client  # in-process: the memory store is fine here
@@ -375,7 +375,7 @@ def scripted(cluster: grpo_tiny.Cluster) -> Iterator[grpo_tiny.Cluster]:
 
     opts = SCRIPTED_OPTS
     kw = {"prompts_per_step": opts.prompts_per_step, "group_size": opts.group_size}
-    actor = ray.remote(ScriptedRollout).options(num_cpus=0.1).remote(opts.model(), opts.task(), **kw)
+    actor = ray.remote(ScriptedRollout).options(num_cpus=0.1).remote(opts.rollout_model(), opts.task(), **kw)
     yield grpo_tiny.Cluster(cluster.policy, [cluster.rollout, actor], opts)
     ray.kill(actor)
 
