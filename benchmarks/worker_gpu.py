@@ -17,6 +17,7 @@ broadcast step >= 50% of the NCCL ceiling.
 
     python -m benchmarks.worker_gpu --ranks 4 --gb 1          # a dated report in benchmarks/reports/
     python -m benchmarks.worker_gpu --ranks 2 --json /tmp/w.json --md /tmp/w.md
+    python -m benchmarks.worker_gpu --ranks 1    # one GPU: benchmarks.gpu_path (fetch/write-back vs ceilings)
 """
 
 from __future__ import annotations
@@ -240,6 +241,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     count = args.ranks if args.cpu and args.ranks else torch.cuda.device_count()
     world = args.ranks or min(count, 4)
+    if not args.cpu and count >= 1 and world == 1:  # one GPU: its data path against its ceilings
+        from benchmarks import gpu_path
+
+        return gpu_path.main(
+            [f"--gb={args.gb}", f"--rows={args.rows}", f"--warmup={args.warmup}", f"--repeat={args.repeat}"]
+        )
     if count < 2 or world > count or world < 2:
         print(f"needs at least 2 CUDA GPUs and --ranks <= {count}; found {count}", file=sys.stderr)
         return 2

@@ -53,8 +53,10 @@ from dataplane.worker.descriptor import (
     wire_bytes,
 )
 from dataplane.worker.microbatch import iter_microbatches
+from dataplane.worker.pinned import process_pool
+from dataplane.worker.pipeline import PinnedMode, move_columns
 from dataplane.worker.stats import FetchStats
-from dataplane.worker.writeback import TokenFields, prepare_writeback
+from dataplane.worker.writeback import TokenFields, prepare_writeback, to_host
 
 __all__ = ["DataPlaneWorkerMixin", "FetchPolicy"]
 
@@ -77,13 +79,6 @@ def _meta_pad_length(meta: KVBatchMeta) -> int | None:
     return None if value is None else check_int("meta.extra_info['pad_to_length']", value, low=None)
 
 
-def _move(col: Column, device: torch.device) -> Column:
-    if col.schema.kind == "object" or col.values.device == device:
-        return col
-    offsets = None if col.offsets is None else col.offsets.to(device)
-    return Column(col.schema, col.values.to(device), offsets)
-
-
 class DataPlaneWorkerMixin:
     """Turns a shard meta into local data and writes results back. See the module docstring.
 
@@ -95,6 +90,10 @@ class DataPlaneWorkerMixin:
             whole store read) and for each agreement, before raising ``DataPlaneTimeout``.
         data_plane_sync_timing: synchronize CUDA between phases so :class:`FetchStats` times are
             device times (benchmarks); off by default because it stalls the stream.
+        data_plane_pinned: how host data reaches a GPU and GPU results reach the host: ``"auto"``
+            (through the process's bounded pinned pool, chunked and overlapped on a side stream:
+            :mod:`dataplane.worker.pinned`), ``"never"`` (plain pageable copies), ``"always"`` (the
+            pool also for CPU targets: what the CPU tests run).
         last_fetch_stats: stats of this rank's last fetch.
 
     >>> import dataplane, torch
@@ -112,6 +111,7 @@ class DataPlaneWorkerMixin:
 
     data_plane_timeout_s: float = 300.0
     data_plane_sync_timing: bool = False
+    data_plane_pinned: PinnedMode = "auto"
     last_fetch_stats: FetchStats | None = None
     _dp_client: DataPlaneClient | None = None
     _dp_owns_client: bool = False
@@ -150,6 +150,7 @@ class DataPlaneWorkerMixin:
         self._dp_client, self._dp_owns_client = None, False
         if client is not None and owned:
             client.close()
+        process_pool().close()  # its pinned buffers are allocated again on the next copy
 
     # -- hooks ------------------------------------------------------------------------------------
     def replica_group(self) -> Any | None:
@@ -229,7 +230,18 @@ class DataPlaneWorkerMixin:
             cols, objects, store_bytes = self._fetch_independent(meta, fields, timings)
             role, bcast_bytes, used = "reader", 0, "independent"
         t0 = time.perf_counter()
-        out = self._materialize(cols, objects, fields, meta.size, layout, pad_values, pad_to_multiple, pad_len, target)
+        out = self._materialize(
+            cols,
+            objects,
+            fields,
+            meta.size,
+            layout,
+            pad_values,
+            pad_to_multiple,
+            pad_len,
+            target,
+            self.data_plane_pinned,
+        )
         pad_width = None
         if layout == "padded":
             jagged = [f for f, c in cols.items() if c.schema.kind == "jagged"]
@@ -284,6 +296,8 @@ class DataPlaneWorkerMixin:
                 td = self.data_plane.kv_batch_get(meta, select_fields=fields, layout="jagged")
                 wire = columns_from_jagged(td, fields)
                 del td
+                if device.type == "cuda":  # to the GPU through the pinned pipeline; staged there
+                    wire = move_columns(wire, device, self.data_plane_pinned)
                 t1 = time.perf_counter()
                 desc = plan_buffers(wire, rows=meta.size, digest=digest)
                 buffers = stage(wire, desc, device)
@@ -346,9 +360,10 @@ class DataPlaneWorkerMixin:
         pad_to_multiple: int,
         pad_to_length: int | None,
         device: torch.device | None,
+        pinned: PinnedMode = "auto",
     ) -> TensorDict:
         if device is not None:
-            cols = {f: _move(c, device) for f, c in cols.items()}
+            cols = move_columns(cols, device, pinned)
         pickled = [f for f, c in cols.items() if c.schema.codec == "pickle"]
         decoded = decode_columns(
             cols,
@@ -401,8 +416,10 @@ class DataPlaneWorkerMixin:
             token_fields=token_fields,
             pad_widths=() if width is None else (width,),
             check_lengths=check_lengths,
-            to_cpu=not client.capabilities.device_tensors,
+            to_cpu=self.data_plane_pinned == "never" and not client.capabilities.device_tensors,
         )
+        if self.data_plane_pinned != "never" and not client.capabilities.device_tensors:
+            prepared = to_host(prepared, always=self.data_plane_pinned == "always")  # packed on the GPU first
         written = client.kv_batch_put(list(meta.keys), prepared, partition_id=meta.partition_id, tags=tags)
         out = meta.with_fields(written.fields)
         return out if tags is None else out.stamp_tags(tags)

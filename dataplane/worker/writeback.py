@@ -28,7 +28,7 @@ from dataplane.codec.objects import object_array_of
 from dataplane.errors import InvalidArgument, SchemaError
 from dataplane.meta import KVBatchMeta
 
-__all__ = ["TokenFields", "prepare_writeback"]
+__all__ = ["TokenFields", "prepare_writeback", "to_host"]
 
 TokenFields = Collection[str] | Literal["auto"]
 
@@ -154,3 +154,40 @@ def prepare_writeback(
                 value = value.cpu()
         out[name] = value
     return out
+
+
+def to_host(fields: TensorDictBase | Mapping[str, Any], *, always: bool = False) -> dict[str, Any]:
+    """``fields`` with every CUDA tensor (dense, or jagged nested) copied to host memory through the
+    process's pinned pool (:mod:`dataplane.worker.pinned`); everything else as it is (``always``:
+    host tensors too, copied through the pool: what the CPU tests run).
+
+    >>> to_host({"x": torch.ones(2)})["x"].tolist()
+    [1.0, 1.0]
+    """
+    from dataplane.worker.pinned import process_pool
+
+    items = dict(fields.items()) if isinstance(fields, (TensorDictBase, Mapping)) else None
+    if items is None:
+        raise SchemaError(f"fields must be a TensorDict or a dict, got {type(fields).__name__}")
+    names, tensors = [], []
+    for name, value in items.items():
+        if not isinstance(value, torch.Tensor) or (value.device.type != "cuda" and not always):
+            continue
+        if value.is_nested:
+            if value.layout != torch.jagged:
+                continue  # a strided nested tensor moves as it is, in prepare_writeback
+            names.append(name)
+            tensors += [value.values(), value.offsets()]  # type: ignore[attr-defined]
+        else:
+            names.append(name)
+            tensors.append(value)
+    if not tensors:
+        return items
+    moved = iter(process_pool().to_host(tensors))
+    for name in names:
+        if items[name].is_nested:
+            values, offsets = next(moved), next(moved)
+            items[name] = torch.nested.nested_tensor_from_jagged(values, offsets)
+        else:
+            items[name] = next(moved)
+    return items

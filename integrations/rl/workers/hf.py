@@ -18,6 +18,11 @@ In your own FSDP2 trainer the lines to add are (see ``docs/rl/hf.md``)::
     policy = CausalLMPolicy(AutoModelForCausalLM.from_pretrained(local_dir, dtype=torch.float32))
     shard_hf_model(policy, mesh, precision="bf16")       # instead of your fully_shard calls
     self.model, self.chunked_logprobs = policy, True      # on your DTensorRLWorkerMixin
+
+:func:`tiny_config` builds small configs of these families (any causal LM loads from a directory):
+
+>>> FAMILIES
+('qwen2', 'llama', 'mistral')
 """
 
 from __future__ import annotations
