@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -130,7 +131,9 @@ def machine_label(info: dict[str, Any]) -> str:
     """A short name of the machine for report file names: ``16cpu``, or ``4xH200`` with GPUs."""
     gpus = info.get("gpus") or []
     if gpus:
-        model = gpus[0].split(",")[0].split()[-1]  # "NVIDIA H200, 143771 MiB, ..." -> "H200"
+        name = gpus[0].split(",")[0]  # "NVIDIA H200, 143771 MiB, ..." or "NVIDIA H100 80GB HBM3, ..."
+        found = re.search(r"\b([A-Z]{1,2}\d{2,4}[a-z]?)\b", name)  # the model: H200, H100, A100, L40s
+        model = found.group(1) if found else name.split()[-1]
         return f"{len(gpus)}x{model}"
     return f"{info.get('cpu_count') or 0}cpu"
 

@@ -21,6 +21,9 @@ from dataplane.errors import (
     InvalidArgument,
     KeyNotFound,
     SchemaError,
+    SnapshotConflict,
+    SnapshotError,
+    SnapshotNotFound,
 )
 from dataplane.meta import KVBatchMeta, RowInfo
 from dataplane.registry import available_adapters, connect, register_adapter
@@ -41,6 +44,9 @@ __all__ = [
     "RowInfo",
     "KeyNotFound",
     "SchemaError",
+    "SnapshotConflict",
+    "SnapshotError",
+    "SnapshotNotFound",
     "available_adapters",
     "connect",
     "register_adapter",

@@ -19,6 +19,9 @@ __all__ = [
     "InvalidArgument",
     "KeyNotFound",
     "SchemaError",
+    "SnapshotConflict",
+    "SnapshotError",
+    "SnapshotNotFound",
     "missing_rows_error",
 ]
 
@@ -64,6 +67,22 @@ class DataPlaneTimeout(DataPlaneError, TimeoutError):
 
 class ClientClosed(DataPlaneError):
     """The client was used after ``close()``."""
+
+
+class SnapshotError(DataPlaneError):
+    """A snapshot directory is damaged or foreign (a file missing, truncated or not matching its
+    checksum, a manifest of another format or a newer version), or a snapshot cannot be written
+    there; the message names the file and what is wrong. The store is unchanged (the one exception,
+    which says so: a load failed and undoing it failed too)."""
+
+
+class SnapshotNotFound(SnapshotError, FileNotFoundError):
+    """There is no snapshot at the path (it does not exist, or holds no snapshot's files)."""
+
+
+class SnapshotConflict(SnapshotError):
+    """Rows changed while a save read them, on every attempt (or another save holds the directory):
+    the save was refused and the previous snapshot there is kept as it was."""
 
 
 def _preview(items: Sequence[str], limit: int = 8) -> str:

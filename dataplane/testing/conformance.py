@@ -31,12 +31,13 @@ from dataplane.errors import (
 from dataplane.meta import MAX_KEY_LEN, KVBatchMeta
 from dataplane.testing._conformance_base import _SLOW, AWKWARD_KEYS, _jagged, _rows_of
 from dataplane.testing._conformance_guards import ConformanceGuards
+from dataplane.testing._conformance_snapshot import ConformanceSnapshot
 from dataplane.testing.strategies import ALL_DTYPES, bit_exact, ragged_batches, random_tensor
 
 __all__ = ["ClientConformance"]
 
 
-class ClientConformance(ConformanceGuards):
+class ClientConformance(ConformanceGuards, ConformanceSnapshot):
     """Shared semantics of every :class:`~dataplane.client.DataPlaneClient`: round trips and semantics
     here, the rest in :class:`~dataplane.testing._conformance_guards.ConformanceGuards`, the hooks and
     fixtures in :class:`~dataplane.testing._conformance_base.ConformanceBase`."""
