@@ -63,20 +63,20 @@ def fill_generation(client: DataPlaneClient, gen: int, rows: int = 24, width: in
 
 
 def generation_state(gen: int) -> dict[str, Any]:
-    with dataplane.connect() as c:
+    with dataplane.connect("memory://") as c:
         fill_generation(c, gen)
         return {pid: partition_state(c, pid) for pid in PARTS}
 
 
 def loaded_state(path: Path) -> tuple[Any, dict[str, Any]]:
-    with dataplane.connect() as c:
+    with dataplane.connect("memory://") as c:
         info = load_snapshot(c, path)
         assert set(info.partitions) == set(PARTS) and info.partitions["train"] == 25
         return info.metadata, {pid: partition_state(c, pid) for pid in PARTS}
 
 
 def save_generation(path: Path, gen: int) -> None:
-    with dataplane.connect() as c:
+    with dataplane.connect("memory://") as c:
         fill_generation(c, gen)
         save_snapshot(c, path, metadata={"gen": gen}, rows_per_file=10)
 
@@ -100,14 +100,14 @@ def _kill_at_step(n: int) -> None:
 
 
 def _save_killed_at_step(path: str, gen: int, n: int) -> None:
-    with dataplane.connect() as c:
+    with dataplane.connect("memory://") as c:
         fill_generation(c, gen)
         _kill_at_step(n)
         save_snapshot(c, path, metadata={"gen": gen}, rows_per_file=10)
 
 
 def _save_forever(path: str, first: int, started: Any) -> None:
-    with dataplane.connect() as c:
+    with dataplane.connect("memory://") as c:
         for gen in range(first, first + 10_000):
             fill_generation(c, gen)
             started.set()
@@ -308,7 +308,7 @@ def _pickled() -> bytes:
 @pytest.fixture
 def holding() -> Iterator[DataPlaneClient]:
     """A store already holding rows in the partition a snapshot names, and in another."""
-    with dataplane.connect() as c:
+    with dataplane.connect("memory://") as c:
         c.kv_batch_put(["a", "q"], {"x": torch.arange(2.0)}, partition_id="train", tags=[{"here": 1}, {}])
         c.kv_batch_put(["w"], None, partition_id="keep", tags=[{"k": 1}])
         yield c
@@ -389,7 +389,7 @@ def test_a_forged_manifest_or_rows_file_is_refused_or_loaded_whole(data: st.Data
             )
         else:
             _rewrite(folder, target, msgpack.packb(doc))
-        with dataplane.connect() as c:
+        with dataplane.connect("memory://") as c:
             c.kv_batch_put(["a", "k1"], {"x": torch.ones(2, 256)}, partition_id="train", tags=[{"here": 1}, {}])
             before = _whole_store(c)
             try:
@@ -465,7 +465,7 @@ def test_bad_arguments_are_refused_before_anything_is_written(tmp_path: Path) ->
 
 
 def test_a_second_save_into_a_directory_being_saved_is_refused(tmp_path: Path) -> None:
-    with dataplane.connect() as c:
+    with dataplane.connect("memory://") as c:
         c.kv_batch_put(["a"], {"x": torch.zeros(1)}, partition_id="p")
         save_snapshot(c, tmp_path / "s")
         with open(tmp_path / "s" / ".lock", "rb") as held:
@@ -530,7 +530,7 @@ def test_rows_changed_during_a_save_are_refused_or_saved_as_of_one_instant(meddl
     write, at, message = MEDDLING[meddle]
     path = tmp_path / "snap"
     save_generation(path, 1)
-    with dataplane.connect() as c:
+    with dataplane.connect("memory://") as c:
         fill_generation(c, 2)
         quiet = _Meddling(c, write, lambda n: False)
         save_snapshot(quiet, path, metadata={"gen": 2}, rows_per_file=10)  # type: ignore[arg-type]
@@ -550,7 +550,7 @@ def test_rows_changed_during_a_save_are_refused_or_saved_as_of_one_instant(meddl
         save_snapshot(once, path, metadata={"gen": 2}, attempts=2, rows_per_file=10)  # type: ignore[arg-type]
         assert once.reads > 8, "the first attempt was not thrown away"
         want = {pid: partition_state(c, pid) for pid in PARTS}  # the store as it is now, after the write
-    with dataplane.connect() as fresh:
+    with dataplane.connect("memory://") as fresh:
         assert load_snapshot(fresh, path).metadata == {"gen": 2}
         for pid in PARTS:
             same_state(partition_state(fresh, pid), want[pid])
@@ -563,7 +563,7 @@ def test_a_writer_thread_during_saves_never_tears_them(tmp_path: Path) -> None:
     path = tmp_path / "snap"
     keys = [f"k{i}" for i in range(64)]
     stop, puts, outcomes = threading.Event(), [0], {"refused": 0, "saved": 0}
-    with dataplane.connect() as c:
+    with dataplane.connect("memory://") as c:
         c.kv_batch_put(keys, {"g": torch.zeros(64, 1024)}, partition_id="train")
 
         def writer() -> None:
@@ -585,7 +585,7 @@ def test_a_writer_thread_during_saves_never_tears_them(tmp_path: Path) -> None:
                     outcomes["refused"] += 1
                     continue
                 outcomes["saved"] += 1
-                with dataplane.connect() as fresh:
+                with dataplane.connect("memory://") as fresh:
                     load_snapshot(fresh, path)
                     got = fresh.kv_batch_get(keys, select_fields="g", partition_id="train")["g"]
                 assert got.unique().numel() == 1, "a torn snapshot: rows of several generations"

@@ -461,6 +461,21 @@ class Policy:
         them): pass it to another actor's call, which receives the dict."""
         return self._all("state_dict_ref", lambda r, a: a.state_dict_ref.remote(model))[0]
 
+    def save_checkpoint(self, path: str) -> None:
+        """Save every model's weights, optimizer, schedule, version and each rank's RNG under ``path``
+        (every rank writes its own shards; :mod:`integrations.rl.checkpoint`). No step may be open."""
+        for model in self._open:
+            self._require_closed("save_checkpoint", model)
+        self._all("save_checkpoint", lambda r, a: a.save_state.remote(path))
+
+    def load_checkpoint(self, path: str) -> None:
+        """Load what :meth:`save_checkpoint` saved into this group's models (built with the same
+        factories and layout); the versions come back with it."""
+        for model in self._open:
+            self._require_closed("load_checkpoint", model)
+        versions = self._all("load_checkpoint", lambda r, a: a.load_state.remote(path))[0]
+        self.versions = dict(versions)
+
     def param_digest(self, model: str = "policy") -> ParamDigest:
         """sha256 and norm of ``model``'s whole parameters (:func:`~integrations.rl.trainer_actor.param_digest`)."""
         return self._all("param_digest", lambda r, a: a.param_digest.remote(model))[0]  # type: ignore[no-any-return]

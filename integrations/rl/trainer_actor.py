@@ -467,6 +467,22 @@ class TrainerActor:
         params = full_parameters(self._worker(model).model)
         return ray.put(params) if self.rank == 0 else None
 
+    def save_state(self, path: str) -> None:
+        """Save every model's state under ``path/<model>`` (a collective: every rank, the same path;
+        see :mod:`integrations.rl.checkpoint`)."""
+        from integrations.rl.checkpoint import save_worker_state
+
+        for name, worker in self.workers.items():
+            save_worker_state(worker, os.path.join(path, name), rank=self.rank)
+
+    def load_state(self, path: str) -> dict[str, int]:
+        """Load every model's state saved by :meth:`save_state` (a collective); returns each model's version."""
+        from integrations.rl.checkpoint import load_worker_state
+
+        for name, worker in self.workers.items():
+            load_worker_state(worker, os.path.join(path, name), rank=self.rank)
+        return {name: int(w.weight_version) for name, w in self.workers.items()}
+
     def param_digest(self, model: str = "policy") -> ParamDigest:
         """:func:`param_digest` of the whole parameters (a collective; the same on every rank)."""
         return param_digest(full_parameters(self._worker(model).model))

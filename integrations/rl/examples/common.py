@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 import os
@@ -13,13 +12,14 @@ import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import dataplane
 from dataplane import DataPlaneClient, InvalidArgument
 from dataplane.checks import check_int, check_number
+from integrations.rl.checkpoint import RunCheckpoints
 from integrations.rl.controller import AsyncConfig, AsyncGRPO
 from integrations.rl.examples import models
 from integrations.rl.grpo import GRPO, GRPOConfig
@@ -30,7 +30,7 @@ from integrations.rl.rollout import CountingTask
 from integrations.rl.rollout_actor import RolloutActor
 from integrations.rl.sync_loop import StepRecord, SyncLoop
 
-__all__ = ["Cluster", "Options", "main", "parse_args", "run", "start_ray"]
+__all__ = ["Cluster", "Options", "run", "start_ray"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,6 +62,10 @@ class Options:
     rollout_actors: int = 1
     rollout_latency: float = 0.0
     device: Literal["cpu", "cuda"] = "cpu"
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 5
+    keep: int = 2
+    resume: bool = False
     json: str | None = None
     progress: bool = True
 
@@ -81,6 +85,15 @@ class Options:
         if self.transport not in ("dataplane", "inline"):
             raise InvalidArgument(f"--transport must be 'dataplane' or 'inline', got {self.transport!r}")
         check_number("--rollout-latency", self.rollout_latency, low=0, high=3600, high_open=True)
+        check_int("--checkpoint-every", self.checkpoint_every, low=1)
+        check_int("--keep", self.keep, low=1)
+        if self.resume and not self.checkpoint_dir:
+            raise InvalidArgument("--resume needs --checkpoint-dir (the directory a run saved into)")
+        if self.checkpoint_dir and self.algorithm == "grpo_async":
+            raise InvalidArgument(
+                "asynchronous GRPO does not checkpoint yet (its replay buffer and in-flight rollouts are not saved); "
+                "drop --checkpoint-dir, or use grpo_tiny / ppo_tiny"
+            )
         for name in ("steps", "dp", "tp", "prompts_per_step", "group_size", "max_new_tokens", "rollout_actors"):
             check_int(name, getattr(self, name), low=1)
         if self.device not in ("cpu", "cuda"):
@@ -414,16 +427,22 @@ def run(
             t_ready, steps, extra = _run_async(opts, cluster, url, on_step, progress)
             totals, driver = extra.pop("traffic"), extra.pop("controller_traffic")
         else:
+            ckpt = None if opts.checkpoint_dir is None else RunCheckpoints(opts.checkpoint_dir, keep=opts.keep)
+            steps = []
+            if ckpt is not None and opts.resume:  # the trainers' state, then the steps run so far
+                steps = list(ckpt.load(cluster.policy)["steps"])
+                print(f"resumed from {ckpt.latest()} after step {len(steps)}", file=out, flush=True)
             loop = opts.loop(cluster.policy, cluster.rollout, client)
             loop.sync_weights()
             t_ready = time.perf_counter()
-            steps = []
-            for step in range(opts.steps):
+            for step in range(len(steps), opts.steps):
                 record = loop.step(step)
                 if on_step is not None:
                     on_step(record, loop)
                 steps.append(record.summary())
                 progress.step(steps[-1])
+                if ckpt is not None and ((step + 1) % opts.checkpoint_every == 0 or step + 1 == opts.steps):
+                    ckpt.save(step, cluster.policy, {"steps": steps, "options": asdict(opts)})
             totals, driver, extra = loop.traffic(), loop.meter.totals(), {}
         progress.done()
         digest = cluster.policy.param_digest()
@@ -460,118 +479,3 @@ def run(
     if opts.json:
         Path(opts.json).write_text(json.dumps(doc, indent=1) + "\n")
     return doc
-
-
-def parse_args(argv: Sequence[str] | None = None, *, defaults: Options, module: str, doc: str) -> Options:
-    """The example's command line over ``defaults`` (its algorithm's settings)."""
-    p = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n")[0])
-    p.add_argument("--steps", type=int, default=20, help="GRPO steps (default 20)")
-    p.add_argument(
-        "--model",
-        choices=models.MODELS,
-        default="tiny",
-        help="tiny (pure torch) or a Hugging Face architecture at a tiny size, random init (default tiny)",
-    )
-    p.add_argument("--backend", default="mooncake://local", help="data plane URL (default mooncake://local)")
-    if defaults.algorithm != "grpo_async":
-        p.add_argument("--transport", choices=["dataplane", "inline"], default="dataplane")
-    p.add_argument("--train-step", choices=["split", "monolithic"], default="split")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dp", type=int, default=2, help="data-parallel trainer ranks (default 2)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
-    p.add_argument(
-        "--device",
-        choices=["cpu", "cuda"],
-        default="cpu",
-        help="where the trainer ranks compute: cpu (gloo, default) or cuda (a GPU per rank, NCCL); "
-        "the rollout actor samples on the CPU either way",
-    )
-    p.add_argument("--lr", type=float, default=None, help="learning rate (default: 1e-2 tiny, 3e-2 qwen2/llama)")
-    p.add_argument("--kl-coef", type=float, default=defaults.kl_coef)
-    if defaults.algorithm == "ppo":
-        p.add_argument("--value-lr", type=float, default=defaults.value_lr)
-        p.add_argument(
-            "--no-value-shift",
-            action="store_true",
-            help="ablation: keep the value head's output at t where it is (one token late) instead of shifting it right",
-        )
-    p.add_argument(
-        "--rollout-latency",
-        type=float,
-        default=0.0,
-        metavar="S",
-        help="idle seconds added to every rollout call: an inference engine on hardware of its own (default 0)",
-    )
-    if defaults.algorithm == "grpo_async":
-        p.add_argument(
-            "--max-staleness",
-            type=int,
-            default=defaults.max_staleness,
-            metavar="K",
-            help=f"train groups sampled at most K versions ago (default {defaults.max_staleness})",
-        )
-        p.add_argument(
-            "--capacity",
-            type=int,
-            default=None,
-            help="replay buffer slots, reserved or committed (default (K + 1) x prompts per step)",
-        )
-        p.add_argument("--in-order", action="store_true", help="train groups in the order their prompts were issued")
-        p.add_argument("--rollout-actors", type=int, default=defaults.rollout_actors)
-    p.add_argument("--json", metavar="PATH", help="write the run here")
-    a = p.parse_args(argv)
-    ppo, asynchronous = defaults.algorithm == "ppo", defaults.algorithm == "grpo_async"
-    return replace(
-        defaults,
-        max_staleness=a.max_staleness if asynchronous else defaults.max_staleness,
-        capacity=a.capacity if asynchronous else defaults.capacity,
-        in_order=a.in_order if asynchronous else defaults.in_order,
-        rollout_actors=a.rollout_actors if asynchronous else defaults.rollout_actors,
-        rollout_latency=a.rollout_latency,
-        value_lr=a.value_lr if ppo else defaults.value_lr,
-        value_shift=not a.no_value_shift if ppo else True,
-        steps=a.steps,
-        model=a.model,
-        backend=a.backend,
-        transport=getattr(a, "transport", "dataplane"),
-        train_step=a.train_step,
-        seed=a.seed,
-        dp=a.dp,
-        tp=a.tp,
-        device=a.device,
-        lr=a.lr,
-        kl_coef=a.kl_coef,
-        json=a.json,
-    )
-
-
-def main(argv: Sequence[str] | None, *, defaults: Options, module: str, doc: str) -> int:
-    """Run the example from the command line; 2 on bad arguments."""
-    try:
-        opts = parse_args(argv, defaults=defaults, module=module, doc=doc)
-        result = run(opts)
-    except InvalidArgument as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    first, last3 = result["steps"][0]["reward_mean"], result["steps"][-3:]
-    tail = sum(s["reward_mean"] for s in last3) / len(last3)
-    if opts.transport == "inline":
-        moved = "no data plane: the tensors went through the driver"
-    else:
-        share = result["driver_bytes_get"] / result["bytes_get"] if result["bytes_get"] else 0.0
-        who = "controller" if opts.algorithm == "grpo_async" else "driver"
-        moved = f"the {who} read {result['driver_bytes_get']} of the {result['bytes_get']} bytes read ({share:.2%})"
-    if opts.algorithm == "grpo_async":
-        moved += f"; trained rows at most {result['max_trained_staleness']} versions stale"
-    ranks = f"{opts.dp * opts.tp} {'GPU' if opts.device == 'cuda' else 'CPU'} trainer ranks"
-    moved += (
-        f"; per trainer over the steps ({ranks}): data {result['trainer_data_seconds']:.2f} s, "
-        f"compute {result['trainer_compute_seconds']:.2f} s"
-    )
-    print(
-        f"reward {first:.3f} -> {tail:.3f} (mean of the last {len(last3)} steps) in {result['total_seconds']:.1f} s; "
-        f"params sha256 {result['param_sha256'][:16]}..., norm {result['param_norm']:.6f}; {moved}"
-    )
-    if opts.json:
-        print(f"wrote {opts.json}")
-    return 0

@@ -27,9 +27,9 @@ DEFAULTS = Options(algorithm="grpo_async")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from integrations.rl.examples import common
+    from integrations.rl.examples import cli
 
-    return common.main(argv, defaults=DEFAULTS, module="integrations.rl.examples.grpo_async_tiny", doc=__doc__ or "")
+    return cli.main(argv, defaults=DEFAULTS, module="integrations.rl.examples.grpo_async_tiny", doc=__doc__ or "")
 
 
 if __name__ == "__main__":

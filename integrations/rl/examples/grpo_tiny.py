@@ -34,9 +34,9 @@ DEFAULTS = Options(algorithm="grpo")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from integrations.rl.examples import common
+    from integrations.rl.examples import cli
 
-    return common.main(argv, defaults=DEFAULTS, module="integrations.rl.examples.grpo_tiny", doc=__doc__ or "")
+    return cli.main(argv, defaults=DEFAULTS, module="integrations.rl.examples.grpo_tiny", doc=__doc__ or "")
 
 
 if __name__ == "__main__":

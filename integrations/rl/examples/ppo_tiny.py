@@ -25,9 +25,9 @@ DEFAULTS = Options(algorithm="ppo", kl_coef=0.0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from integrations.rl.examples import common
+    from integrations.rl.examples import cli
 
-    return common.main(argv, defaults=DEFAULTS, module="integrations.rl.examples.ppo_tiny", doc=__doc__ or "")
+    return cli.main(argv, defaults=DEFAULTS, module="integrations.rl.examples.ppo_tiny", doc=__doc__ or "")
 
 
 if __name__ == "__main__":

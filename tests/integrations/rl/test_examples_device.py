@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dataplane import InvalidArgument
-from integrations.rl.examples import common, grpo_async_tiny, grpo_tiny, ppo_tiny
+from integrations.rl.examples import cli, grpo_async_tiny, grpo_tiny, ppo_tiny
 from integrations.rl.metering import add_totals
 from integrations.rl.sync_loop import StepRecord
 from integrations.rl.trainer_actor import StepClock, TrainerActor
@@ -24,8 +24,8 @@ from integrations.rl.trainer_actor import StepClock, TrainerActor
 EXAMPLES = [grpo_tiny, ppo_tiny, grpo_async_tiny]
 
 
-def parse(example: Any, *argv: str) -> common.Options:
-    return common.parse_args(list(argv), defaults=example.DEFAULTS, module=example.__name__, doc="doc")
+def parse(example: Any, *argv: str) -> grpo_tiny.Options:
+    return cli.parse_args(list(argv), defaults=example.DEFAULTS, module=example.__name__, doc="doc")
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda m: m.__name__.rsplit(".", 1)[-1])
@@ -50,7 +50,7 @@ def test_device_cuda_needs_a_gpu_per_trainer_rank(monkeypatch: Any, capsys: Any)
     with pytest.raises(InvalidArgument, match=r"2 x 2 = 4 trainer ranks.*sees 3 CUDA.*dp x tp <= 3"):
         parse(grpo_tiny, "--device", "cuda", "--tp", "2")
     with pytest.raises(InvalidArgument, match="'cpu' or 'cuda'"):
-        common.Options(device="gpu")  # type: ignore[arg-type]
+        grpo_tiny.Options(device="gpu")  # type: ignore[arg-type]
     with pytest.raises(SystemExit):
         parse(grpo_tiny, "--device", "tpu")
 
