@@ -75,6 +75,13 @@ def parse_args(argv: Sequence[str] | None = None, *, defaults: Options, module: 
         p.add_argument("--checkpoint-every", type=int, default=5, metavar="K", help="save every K steps and at the end")
         p.add_argument("--keep", type=int, default=2, help="step directories kept (the newest; default 2)")
         p.add_argument("--resume", action="store_true", help="go on from the latest checkpoint in --checkpoint-dir")
+        p.add_argument(
+            "--max-restarts",
+            type=int,
+            default=0,
+            metavar="N",
+            help="replace the actors up to N times when one dies, going on from the latest checkpoint",
+        )
     p.add_argument("--json", metavar="PATH", help="write the run here")
     a = p.parse_args(argv)
     ppo, asynchronous = defaults.algorithm == "ppo", defaults.algorithm == "grpo_async"
@@ -103,6 +110,7 @@ def parse_args(argv: Sequence[str] | None = None, *, defaults: Options, module: 
         checkpoint_every=getattr(a, "checkpoint_every", 5),
         keep=getattr(a, "keep", 2),
         resume=getattr(a, "resume", False),
+        max_restarts=getattr(a, "max_restarts", 0),
     )
 
 

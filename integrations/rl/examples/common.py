@@ -24,7 +24,7 @@ from integrations.rl.controller import AsyncConfig, AsyncGRPO
 from integrations.rl.examples import models
 from integrations.rl.grpo import GRPO, GRPOConfig
 from integrations.rl.metering import add_totals
-from integrations.rl.policy import Policy, gather
+from integrations.rl.policy import ActorFailure, Policy, gather
 from integrations.rl.ppo import PPO, PPOConfig
 from integrations.rl.rollout import CountingTask
 from integrations.rl.rollout_actor import RolloutActor
@@ -66,6 +66,7 @@ class Options:
     checkpoint_every: int = 5
     keep: int = 2
     resume: bool = False
+    max_restarts: int = 0
     json: str | None = None
     progress: bool = True
 
@@ -87,6 +88,9 @@ class Options:
         check_number("--rollout-latency", self.rollout_latency, low=0, high=3600, high_open=True)
         check_int("--checkpoint-every", self.checkpoint_every, low=1)
         check_int("--keep", self.keep, low=1)
+        check_int("--max-restarts", self.max_restarts, low=0)
+        if self.max_restarts and self.algorithm == "grpo_async":
+            raise InvalidArgument("asynchronous GRPO does not restart its actors yet; drop --max-restarts")
         if self.resume and not self.checkpoint_dir:
             raise InvalidArgument("--resume needs --checkpoint-dir (the directory a run saved into)")
         if self.checkpoint_dir and self.algorithm == "grpo_async":
@@ -252,6 +256,14 @@ class Cluster:
         for actor in self.rollouts:
             ray.kill(actor, no_restart=True)
 
+    def restart(self, url: str | None) -> None:
+        """Replace every actor (a trainer group that lost a rank cannot go on) with fresh ones of the
+        same shape, joined to ``url``; their models start from the seed until a checkpoint is loaded."""
+        self.shutdown()
+        fresh = Cluster.start(self.opts)
+        self.policy, self.rollouts = fresh.policy, fresh.rollouts
+        self.connect(url)
+
 
 def start_ray(opts: Options) -> bool:
     """The run's local Ray (:func:`dataplane.local_ray.init_local_ray`): CPUs for every actor, and on
@@ -379,6 +391,54 @@ def _run_async(
     return t_ready, steps, extra
 
 
+def _run_sync(
+    opts: Options, cluster: Cluster, client: DataPlaneClient | None, on_step: Any, progress: _Progress, out: Any
+) -> tuple[float, list[dict[str, Any]], dict[str, Any], SyncLoop]:
+    """The synchronous steps, with checkpoints (``--checkpoint-dir``), ``--resume`` and up to
+    ``--max-restarts`` restarts of the actors after one died: from the latest checkpoint (or from the
+    start without one), the failed step's rows already cleared by the loop."""
+    ckpt = None if opts.checkpoint_dir is None else RunCheckpoints(opts.checkpoint_dir, keep=opts.keep)
+    steps: list[dict[str, Any]] = []
+    if ckpt is not None and opts.resume:  # the trainers' state, then the steps run so far
+        steps = list(ckpt.load(cluster.policy)["steps"])
+        print(f"resumed from {ckpt.latest()} after step {len(steps)}", file=out, flush=True)
+    restarts: list[dict[str, Any]] = []
+    saved: list[dict[str, Any]] = []  # each checkpoint's step, seconds and bytes
+    t_ready = time.perf_counter()
+    while True:
+        loop = opts.loop(cluster.policy, cluster.rollout, client)
+        try:
+            loop.sync_weights()
+            for step in range(len(steps), opts.steps):
+                record = loop.step(step)
+                if on_step is not None:
+                    on_step(record, loop)
+                steps.append(record.summary())
+                progress.step(steps[-1])
+                if ckpt is not None and ((step + 1) % opts.checkpoint_every == 0 or step + 1 == opts.steps):
+                    t0 = time.perf_counter()
+                    path = ckpt.save(step, cluster.policy, {"steps": steps, "options": asdict(opts)})
+                    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+                    saved.append({"step": step, "seconds": time.perf_counter() - t0, "bytes": size})
+            extra: dict[str, Any] = {"checkpoints": saved} if ckpt is not None else {}
+            return t_ready, steps, {**extra, "restarts": restarts} if restarts else extra, loop
+        except ActorFailure as e:
+            if len(restarts) >= opts.max_restarts:
+                raise
+            failed = len(steps)
+            cluster.restart(None if client is None else client.url)
+            latest = None if ckpt is None else ckpt.latest()
+            steps = [] if ckpt is None or latest is None else list(ckpt.load(cluster.policy)["steps"])
+            restarts.append({"failed_step": failed, "resumed_after_step": len(steps), "error": str(e)[:500]})
+            print(
+                f"restart {len(restarts)}/{opts.max_restarts}: step {failed + 1} failed ({type(e).__name__}); "
+                f"the actors were replaced and steps {len(steps) + 1}..{failed + 1} are redone "
+                f"from {latest or 'the start'}",
+                file=out,
+                flush=True,
+            )
+
+
 def run(
     opts: Options,
     *,
@@ -427,23 +487,8 @@ def run(
             t_ready, steps, extra = _run_async(opts, cluster, url, on_step, progress)
             totals, driver = extra.pop("traffic"), extra.pop("controller_traffic")
         else:
-            ckpt = None if opts.checkpoint_dir is None else RunCheckpoints(opts.checkpoint_dir, keep=opts.keep)
-            steps = []
-            if ckpt is not None and opts.resume:  # the trainers' state, then the steps run so far
-                steps = list(ckpt.load(cluster.policy)["steps"])
-                print(f"resumed from {ckpt.latest()} after step {len(steps)}", file=out, flush=True)
-            loop = opts.loop(cluster.policy, cluster.rollout, client)
-            loop.sync_weights()
-            t_ready = time.perf_counter()
-            for step in range(len(steps), opts.steps):
-                record = loop.step(step)
-                if on_step is not None:
-                    on_step(record, loop)
-                steps.append(record.summary())
-                progress.step(steps[-1])
-                if ckpt is not None and ((step + 1) % opts.checkpoint_every == 0 or step + 1 == opts.steps):
-                    ckpt.save(step, cluster.policy, {"steps": steps, "options": asdict(opts)})
-            totals, driver, extra = loop.traffic(), loop.meter.totals(), {}
+            t_ready, steps, extra, loop = _run_sync(opts, cluster, client, on_step, progress, out)
+            totals, driver = loop.traffic(), loop.meter.totals()
         progress.done()
         digest = cluster.policy.param_digest()
         doc = {

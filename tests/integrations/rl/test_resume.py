@@ -91,3 +91,44 @@ def test_grpo_killed_after_a_checkpoint_resumes_to_the_same_bits(tmp_path: Path)
 @pytest.mark.parametrize("example", ["grpo_tiny", "ppo_tiny"])
 def test_ten_steps_killed_and_ten_resumed_equal_twenty_straight(tmp_path: Path, example: str) -> None:
     check_resume(tmp_path, example, steps=20, every=10)
+
+
+@pytest.mark.timeout(600)
+def test_a_trainer_rank_killed_mid_run_is_replaced_and_the_run_ends_as_if_it_had_not(
+    ray_cluster: None, tmp_path: Path
+) -> None:
+    """``--max-restarts 1``: rank 1 dies after step 3; step 4 fails, every actor is replaced, the run
+    goes on from the checkpoint of step 2 and ends with the bits of a run nobody killed."""
+    import io
+    from dataclasses import replace
+
+    import ray
+
+    import dataplane
+    from integrations.rl.examples import grpo_tiny
+
+    opts = grpo_tiny.Options(steps=5, prompts_per_step=4, group_size=4, seed=4, progress=True)
+    killed: list[Any] = []
+    with dataplane.connect("mooncake://local") as owner:
+        cluster = grpo_tiny.Cluster.start(opts)
+        try:
+            straight = grpo_tiny.run(opts, cluster=cluster, client=owner, out=io.StringIO())
+
+            def on_step(record: Any, loop: Any) -> None:
+                if record.step == 2 and not killed:
+                    killed.append(cluster.policy.actors[1])
+                    ray.kill(cluster.policy.actors[1], no_restart=True)
+
+            out = io.StringIO()
+            faulty = replace(opts, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2, max_restarts=1)
+            doc = grpo_tiny.run(faulty, cluster=cluster, client=owner, on_step=on_step, out=out)
+            assert not any(owner.kv_list().values()), "nothing of the aborted step (or any other) is left"
+        finally:
+            cluster.shutdown()
+    assert killed and [(r["failed_step"], r["resumed_after_step"]) for r in doc["restarts"]] == [(3, 2)]
+    assert "step 4 failed (ActorFailure)" in out.getvalue() and "steps 3..4 are redone" in out.getvalue()
+    assert [s["step"] for s in doc["steps"]] == list(range(5))
+    assert [s["reward_mean"] for s in doc["steps"]] == [s["reward_mean"] for s in straight["steps"]]
+    assert doc["param_sha256"] == straight["param_sha256"]
+    with pytest.raises(dataplane.InvalidArgument, match="max-restarts"):
+        grpo_tiny.Options(max_restarts=-1)

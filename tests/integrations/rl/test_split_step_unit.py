@@ -144,6 +144,7 @@ WITHOUT_EXAMPLES = {
     "integrations.rl.workers.tiny",
     "integrations.rl.examples",
     "integrations.rl.examples.common",
+    "integrations.rl.examples.cli",
     "integrations.rl.examples.grpo_tiny",
     "integrations.rl.examples.ppo_tiny",
     "integrations.rl.examples.grpo_async_tiny",
