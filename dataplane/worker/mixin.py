@@ -55,7 +55,7 @@ from dataplane.worker.descriptor import (
 from dataplane.worker.microbatch import iter_microbatches
 from dataplane.worker.pinned import process_pool
 from dataplane.worker.pipeline import PinnedMode, move_columns
-from dataplane.worker.stats import FetchStats
+from dataplane.worker.stats import FetchStats, WriteBackStats, notify_stats_observers
 from dataplane.worker.writeback import TokenFields, prepare_writeback, to_host
 
 __all__ = ["DataPlaneWorkerMixin", "FetchPolicy"]
@@ -263,6 +263,7 @@ class DataPlaneWorkerMixin:
             pad_width=pad_width,
             **timings,
         )
+        notify_stats_observers(self.last_fetch_stats)
         return out
 
     def _sync(self) -> None:
@@ -404,6 +405,7 @@ class DataPlaneWorkerMixin:
         Returns:
             ``meta`` with the written fields added on the writing rank; None on the others.
         """
+        t_start = time.perf_counter()
         if not isinstance(meta, KVBatchMeta):
             raise SchemaError(f"write_back takes a KVBatchMeta, got {type(meta).__name__}")
         if not self.is_writeback_leader():
@@ -421,6 +423,8 @@ class DataPlaneWorkerMixin:
         if self.data_plane_pinned != "never" and not client.capabilities.device_tensors:
             prepared = to_host(prepared, always=self.data_plane_pinned == "always")  # packed on the GPU first
         written = client.kv_batch_put(list(meta.keys), prepared, partition_id=meta.partition_id, tags=tags)
+        seconds = time.perf_counter() - t_start
+        notify_stats_observers(WriteBackStats(rows=meta.size, fields=tuple(prepared.keys()), seconds=seconds))
         out = meta.with_fields(written.fields)
         return out if tags is None else out.stamp_tags(tags)
 

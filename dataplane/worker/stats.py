@@ -1,12 +1,23 @@
-"""Per-call observability of :meth:`~dataplane.worker.DataPlaneWorkerMixin.fetch`."""
+"""Per-call observability of :meth:`~dataplane.worker.DataPlaneWorkerMixin.fetch` and
+:meth:`~dataplane.worker.DataPlaneWorkerMixin.write_back`.
+
+Every fetch leaves a :class:`FetchStats` on the worker (``last_fetch_stats``). Observers added with
+:func:`add_stats_observer` also receive it, and a :class:`WriteBackStats` for every write-back a rank
+makes, from the calling thread: that is how :mod:`dataplane.metrics` times the workers of a process.
+Without an observer the mixin pays one empty loop per call.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias
 
-__all__ = ["FetchStats"]
+__all__ = ["FetchStats", "StatsObserver", "WriteBackStats", "add_stats_observer", "notify_stats_observers"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -59,3 +70,65 @@ class FetchStats:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> FetchStats:
         return cls(**{**d, "fields": tuple(d["fields"])})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WriteBackStats:
+    """One :meth:`DataPlaneWorkerMixin.write_back` that wrote (ranks that are not the write-back
+    leader return at once and report nothing).
+
+    Attributes:
+        rows: rows written.
+        fields: fields written.
+        seconds: the whole call: checks, packing, copies to the host and the put.
+    """
+
+    rows: int
+    fields: tuple[str, ...]
+    seconds: float
+
+
+StatsObserver: TypeAlias = Callable[["FetchStats | WriteBackStats"], None]
+_observers: tuple[StatsObserver, ...] = ()  # replaced whole (never mutated): the mixin reads it unlocked
+_observers_lock = threading.Lock()
+
+
+def add_stats_observer(observer: StatsObserver) -> Callable[[], None]:
+    """Call ``observer`` with the stats of every fetch and write-back of every worker in this process.
+
+    Returns the function that removes it (idempotent). The observer runs on the worker's thread,
+    after the call; its exceptions are logged, never raised into the worker.
+
+    >>> seen = []
+    >>> remove = add_stats_observer(seen.append)
+    >>> notify_stats_observers(WriteBackStats(rows=2, fields=("lp",), seconds=0.5))
+    >>> remove()
+    >>> notify_stats_observers(WriteBackStats(rows=1, fields=("lp",), seconds=0.5))
+    >>> [s.rows for s in seen]
+    [2]
+    """
+    global _observers
+    with _observers_lock:
+        _observers = (*_observers, observer)
+
+    removed = False
+
+    def remove() -> None:
+        nonlocal removed
+        global _observers
+        with _observers_lock:
+            at = next((i for i, o in enumerate(_observers) if o is observer), None)
+            if at is not None and not removed:  # this registration only (an observer may be added twice)
+                _observers = _observers[:at] + _observers[at + 1 :]
+            removed = True
+
+    return remove
+
+
+def notify_stats_observers(stats: FetchStats | WriteBackStats) -> None:
+    """Send ``stats`` to every observer (what the mixin calls after each fetch and write-back)."""
+    for observer in _observers:
+        try:
+            observer(stats)
+        except Exception:
+            log.exception("dataplane: a worker stats observer failed")

@@ -131,7 +131,7 @@ class AsyncStepRecord(StepRecord):
         rollout_wait_seconds: how long the trainer waited for rollouts (for trainable groups).
         train_wait_seconds: how long rollout actors sat idle waiting for the trainer since the last
             step (the staleness bound, a full buffer, the closed gate), summed over actors.
-        weight_sync_seconds: the gate closed: taking the new weights' ref and publishing it.
+        weight_sync_seconds: (here) the gate closed: taking the new weights' ref and publishing it.
         evicted_groups, aborted_groups, failed_rollouts: since the last step.
     """
 
@@ -141,7 +141,6 @@ class AsyncStepRecord(StepRecord):
     buffer_occupancy: int = 0
     rollout_wait_seconds: float = 0.0
     train_wait_seconds: float = 0.0
-    weight_sync_seconds: float = 0.0
     evicted_groups: int = 0
     aborted_groups: int = 0
     failed_rollouts: int = 0
@@ -154,7 +153,6 @@ class AsyncStepRecord(StepRecord):
             buffer_occupancy=self.buffer_occupancy,
             rollout_wait_seconds=self.rollout_wait_seconds,
             train_wait_seconds=self.train_wait_seconds,
-            weight_sync_seconds=self.weight_sync_seconds,
             evicted_groups=self.evicted_groups,
             aborted_groups=self.aborted_groups,
             failed_rollouts=self.failed_rollouts,

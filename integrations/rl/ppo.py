@@ -103,6 +103,20 @@ class PPOConfig:
         return ValueLoss(clip=self.value_clip, loss_type=self.loss_type)
 
 
+def group_rewards(rewards: Tensor, meta: KVBatchMeta) -> dict[str, list[float]]:
+    """The rows' rewards by their ``uid`` tag (one group per prompt), in row order.
+
+    >>> import torch
+    >>> m = KVBatchMeta(partition_id="p", keys=["a", "b"], tags=[{"uid": "u"}, {"uid": "u"}])
+    >>> group_rewards(torch.tensor([1.0, 0.0]), m)
+    {'u': [1.0, 0.0]}
+    """
+    out: dict[str, list[float]] = {}
+    for tag, r in zip(meta.tags or [{}] * meta.size, rewards.tolist(), strict=True):
+        out.setdefault(str(tag.get("uid", "")), []).append(float(r))
+    return out
+
+
 def minibatch_rows(rows: int, minibatches: int, *, seed: int) -> list[list[int]]:
     """``rows`` positions shuffled with ``seed`` and cut into ``minibatches`` parts (sizes differ by at
     most one; each part in ascending order, so a part keeps the batch's row order).
@@ -146,6 +160,7 @@ class PPO(SyncLoop):
             reward_mean=float(rewards.double().mean()),
             rows_trained=meta.size,
             version=self.policy.version,
+            group_rewards=group_rewards(rewards, meta),
         )
         if meta.size == 0:
             return record

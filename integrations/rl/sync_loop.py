@@ -68,6 +68,7 @@ class StepRecord:
         group_rewards: uid -> the group's rewards, in sample order.
         dropped_groups: uids dynamic sampling dropped (GRPO: all rewards equal).
         seconds, rollout_seconds, train_seconds: wall time of the step, of the rollout call, of training.
+        weight_sync_seconds: pushing the new weights to the rollout side after the step.
         traffic: the step's data-plane totals over every process (driver, rollout, trainers).
         driver_traffic: the driver's own share.
         trainer_data_seconds, trainer_compute_seconds: the step's trainer calls, per rank (the mean
@@ -89,6 +90,7 @@ class StepRecord:
     seconds: float = 0.0
     rollout_seconds: float = 0.0
     train_seconds: float = 0.0
+    weight_sync_seconds: float = 0.0
     traffic: dict[str, float] = field(default_factory=dict)
     driver_traffic: dict[str, float] = field(default_factory=dict)
     trainer_data_seconds: float = 0.0
@@ -103,9 +105,14 @@ class StepRecord:
 
     def summary(self) -> dict[str, Any]:
         """The step as one flat, JSON-ready dict."""
+        rewards = [r for group in self.group_rewards.values() for r in group]
+        mean = sum(rewards) / len(rewards) if rewards else 0.0
+        got = self.traffic.get("bytes_get", 0)
         out = {
             "step": self.step,
             "reward_mean": self.reward_mean,
+            "reward_std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5 if rewards else 0.0,
+            "reward_max": max(rewards, default=0.0),
             "loss": self.metrics.get("loss"),
             "kl": self.metrics.get("kl"),
             "grad_norm": self.metrics.get("grad_norm"),
@@ -119,11 +126,13 @@ class StepRecord:
             "seconds": self.seconds,
             "rollout_seconds": self.rollout_seconds,
             "train_seconds": self.train_seconds,
+            "weight_sync_seconds": self.weight_sync_seconds,
             "data_plane_seconds": self.traffic.get("seconds", 0.0),
             "trainer_data_seconds": self.trainer_data_seconds,
             "trainer_compute_seconds": self.trainer_compute_seconds,
             "bytes_put": self.traffic.get("bytes_put", 0),
-            "bytes_get": self.traffic.get("bytes_get", 0),
+            "bytes_get": got,
+            "driver_bytes_share": self.driver_traffic.get("bytes_get", 0) / got if got else 0.0,
         }
         if self.value_metrics:
             out["value_loss"] = self.value_metrics.get("loss")
@@ -201,7 +210,9 @@ class SyncLoop:
         if self.client is not None:
             self.client.kv_clear(partition_id=partition)
         if record.metrics:
+            t_sync = time.perf_counter()
             self.sync_weights()
+            record.weight_sync_seconds = time.perf_counter() - t_sync
         record.rollout_seconds = t_rollout
         record.set_traffic(add_totals(self.traffic(), before, sign=-1), len(self.policy.actors))
         record.driver_traffic = add_totals(self.meter.totals(), driver_before, sign=-1)

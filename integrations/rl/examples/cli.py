@@ -82,6 +82,10 @@ def parse_args(argv: Sequence[str] | None = None, *, defaults: Options, module: 
             metavar="N",
             help="replace the actors up to N times when one dies, going on from the latest checkpoint",
         )
+    p.add_argument("--log-dir", metavar="DIR", help="append each step's summary to DIR/steps.jsonl")
+    p.add_argument(
+        "--tensorboard", metavar="DIR", help="TensorBoard scalars of every step in DIR (and DIR/steps.jsonl)"
+    )
     p.add_argument("--json", metavar="PATH", help="write the run here")
     a = p.parse_args(argv)
     ppo, asynchronous = defaults.algorithm == "ppo", defaults.algorithm == "grpo_async"
@@ -106,6 +110,8 @@ def parse_args(argv: Sequence[str] | None = None, *, defaults: Options, module: 
         lr=a.lr,
         kl_coef=a.kl_coef,
         json=a.json,
+        log_dir=a.log_dir,
+        tensorboard=a.tensorboard,
         checkpoint_dir=getattr(a, "checkpoint_dir", None),
         checkpoint_every=getattr(a, "checkpoint_every", 5),
         keep=getattr(a, "keep", 2),

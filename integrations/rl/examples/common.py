@@ -28,6 +28,7 @@ from integrations.rl.policy import ActorFailure, Policy, gather
 from integrations.rl.ppo import PPO, PPOConfig
 from integrations.rl.rollout import CountingTask
 from integrations.rl.rollout_actor import RolloutActor
+from integrations.rl.step_log import StepLogger
 from integrations.rl.sync_loop import StepRecord, SyncLoop
 
 __all__ = ["Cluster", "Options", "run", "start_ray"]
@@ -67,6 +68,8 @@ class Options:
     keep: int = 2
     resume: bool = False
     max_restarts: int = 0
+    log_dir: str | None = None
+    tensorboard: str | None = None
     json: str | None = None
     progress: bool = True
 
@@ -324,14 +327,19 @@ def _line(s: dict[str, Any], total: int) -> str:
 
 
 class _Progress:
-    """Step lines to ``out``; a progress bar on stderr when it is a terminal."""
+    """Step lines to ``out``; a progress bar on stderr when it is a terminal; the step logs
+    (``--log-dir``, ``--tensorboard``: :class:`~integrations.rl.step_log.StepLogger`)."""
 
     def __init__(self, opts: Options, out: Any) -> None:
         self.opts, self.out, self.done_steps = opts, out, 0
         self.tty = opts.progress and sys.stderr.isatty()
+        where = opts.tensorboard or opts.log_dir
+        self.logger = None if where is None else StepLogger(where, tensorboard=opts.tensorboard is not None)
 
     def step(self, summary: dict[str, Any]) -> None:
         self.done_steps += 1
+        if self.logger is not None:
+            self.logger.log(summary)
         if not self.opts.progress:
             return
         if self.tty:
@@ -342,6 +350,8 @@ class _Progress:
             sys.stderr.flush()
 
     def done(self) -> None:
+        if self.logger is not None:
+            self.logger.close()
         if self.tty:
             sys.stderr.write("\r\033[K")
 

@@ -19,3 +19,28 @@ def check_trainer_times(doc: dict[str, Any], *, data_plane: bool) -> None:
         assert doc[key] == pytest.approx(sum(s[key] for s in doc["steps"]))
     if data_plane:
         assert doc["trainer_data_seconds"] > 0
+
+
+def check_tensorboard(directory: Any, steps: int, groups: tuple[str, ...]) -> set[str]:
+    """The run's TensorBoard event files (read back with TensorBoard's own reader) hold a scalar of
+    every tag of ``groups`` (``"reward"``, ``"policy"``, ...: the tag prefixes of
+    :data:`integrations.rl.step_log.SCALARS` the run has) for every step ``0..steps-1``, and
+    ``steps.jsonl`` one line per step. Returns the tags found."""
+    import json
+    from pathlib import Path
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from integrations.rl.step_log import SCALARS
+
+    acc = EventAccumulator(str(directory), size_guidance={"scalars": 0})
+    acc.Reload()
+    found = set(acc.Tags()["scalars"])
+    want = {tag for tag in SCALARS.values() if tag.split("/")[0] in groups}
+    want -= {"policy/kl"} if "kl" not in groups else set()
+    assert want <= found, sorted(want - found)
+    for tag in want:
+        assert [e.step for e in acc.Scalars(tag)] == list(range(steps)), tag
+    lines = Path(directory, "steps.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(steps))
+    return found

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from rl_checks import check_trainer_times
+from rl_checks import check_tensorboard, check_trainer_times
 from test_math import ref_gae  # the per-row scalar GAE loop (a sibling test module)
 
 import dataplane
@@ -155,9 +155,11 @@ def test_dataplane_run_equals_the_inline_run_bit_for_bit(
     assert len(checker.records) == OPTS.steps
 
 
-def test_split_and_monolithic_steps_agree(cluster: grpo_tiny.Cluster, mooncake_owner: Any) -> None:
+def test_split_and_monolithic_steps_agree(cluster: grpo_tiny.Cluster, mooncake_owner: Any, tmp_path: Any) -> None:
     opts = replace(OPTS, steps=3)
-    split = grpo_tiny.run(opts, cluster=cluster, client=mooncake_owner)
+    split = grpo_tiny.run(replace(opts, tensorboard=str(tmp_path / "tb")), cluster=cluster, client=mooncake_owner)
+    tags = check_tensorboard(tmp_path / "tb", 3, ("reward", "policy", "kl", "time", "bytes", "rows"))
+    assert not any(t.startswith(("value/", "async/")) for t in tags)
     mono = grpo_tiny.run(replace(opts, train_step="monolithic"), cluster=cluster, client=mooncake_owner)
     assert split["train_step"] == "split" and mono["train_step"] == "monolithic"
     assert [s["version"] for s in split["steps"]] == [s["version"] for s in mono["steps"]]
@@ -202,7 +204,7 @@ def scalar_gae_check(client: dataplane.DataPlaneClient, meta: Any, gamma: float,
 
 
 def test_ppo_dataplane_run_equals_the_inline_run_bit_for_bit(
-    cluster: grpo_tiny.Cluster, mooncake_owner: Any, monkeypatch: Any
+    cluster: grpo_tiny.Cluster, mooncake_owner: Any, monkeypatch: Any, tmp_path: Any
 ) -> None:
     """Also: the advantage stage on the trainers (each DP shard's leader reads values, loss_mask and
     reward, writes advantages and returns) equals a per-row scalar GAE loop, for random gamma and
@@ -225,7 +227,11 @@ def test_ppo_dataplane_run_equals_the_inline_run_bit_for_bit(
         records.append(record)
         assert not mooncake_owner.kv_list(record.partition_id).get(record.partition_id)
 
-    doc = ppo_tiny.run(PPO_OPTS, cluster=cluster, client=mooncake_owner, on_step=on_step)
+    board = tmp_path / "tb"
+    doc = ppo_tiny.run(
+        replace(PPO_OPTS, tensorboard=str(board)), cluster=cluster, client=mooncake_owner, on_step=on_step
+    )
+    check_tensorboard(board, PPO_OPTS.steps, ("reward", "policy", "value", "time", "bytes"))
     assert doc["algorithm"] == "ppo" and len(records) == PPO_OPTS.steps
     assert doc["param_sha256"] == inline["param_sha256"]
     assert doc["value_param_sha256"] == inline["value_param_sha256"]
@@ -420,12 +426,13 @@ def trained_staleness(record: Any) -> list[int]:
 
 
 def test_async_without_staleness_trains_what_sync_grpo_trains(
-    cluster: grpo_tiny.Cluster, mooncake_owner: Any, inline_run: dict[str, Any]
+    cluster: grpo_tiny.Cluster, mooncake_owner: Any, inline_run: dict[str, Any], tmp_path: Any
 ) -> None:
     """The example's path: the controller as a Ray actor."""
     records: list[Any] = []
-    opts = replace(ASYNC_OPTS, max_staleness=0)
+    opts = replace(ASYNC_OPTS, max_staleness=0, tensorboard=str(tmp_path / "tb"))
     doc = grpo_tiny.run(opts, cluster=cluster, client=mooncake_owner, on_step=lambda r, _: records.append(r))
+    check_tensorboard(tmp_path / "tb", opts.steps, ("reward", "policy", "kl", "async", "time", "bytes"))
     check_the_run_left_nothing(doc["controller"], mooncake_owner, opts.steps)
     assert doc["param_sha256"] == inline_run["param_sha256"]  # bit for bit
     assert [s["reward_mean"] for s in doc["steps"]] == [s["reward_mean"] for s in inline_run["steps"]]
