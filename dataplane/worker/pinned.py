@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from dataplane.checks import check_int
-from dataplane.errors import InvalidArgument
+from dataplane.errors import DataPlaneTimeout, InvalidArgument
 
 __all__ = ["DEFAULT_CAP_BYTES", "DEFAULT_CHUNK_BYTES", "PinnedPool", "process_pool"]
 
@@ -98,7 +98,7 @@ class PinnedPool:
         with self._cv:
             while not self._free and self._count >= self.max_buffers:
                 if not self._cv.wait(timeout=60.0):
-                    raise TimeoutError("no pinned buffer came free within 60 s; a copy is stuck")
+                    raise DataPlaneTimeout("no pinned buffer came free within 60 s; a copy is stuck")
             idle = self._free and (self._free[0].event is None or self._free[0].event.query())
             if idle or self._count >= self.max_buffers:
                 buf = self._free.popleft()
@@ -110,10 +110,11 @@ class PinnedPool:
         buf.wait()
         return buf
 
-    def _give(self, buf: _Buffer) -> None:
+    def _give(self, buf: _Buffer, copied: int = 0) -> None:
         with self._cv:
             self._free.append(buf)
             self._in_use -= 1
+            self._copied += copied
             self._cv.notify()
 
     def _side_stream(self, device: torch.device) -> Any:
@@ -158,8 +159,7 @@ class PinnedPool:
                     else:
                         d[o : o + n].copy_(buf.data[:n])
                     held.remove(buf)
-                    self._give(buf)  # reusable once its event has fired (_take waits on it)
-                    self._copied += n
+                    self._give(buf, n)  # reusable once its event has fired (_take waits on it)
         finally:
             for buf in held:
                 self._give(buf)
@@ -212,12 +212,13 @@ class PinnedPool:
 
     def _finish(self, item: tuple[_Buffer, int, int], d: Tensor) -> None:
         buf, o, n = item
+        copied = 0
         try:
             buf.wait()
             d[o : o + n].copy_(buf.data[:n])
-            self._copied += n
+            copied = n
         finally:
-            self._give(buf)
+            self._give(buf, copied)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:

@@ -349,9 +349,12 @@ class _Progress:
             sys.stderr.write(_bar(self.done_steps, self.opts.steps))
             sys.stderr.flush()
 
-    def done(self) -> None:
+    def close(self) -> None:
         if self.logger is not None:
             self.logger.close()
+
+    def done(self) -> None:
+        self.close()
         if self.tty:
             sys.stderr.write("\r\033[K")
 
@@ -478,6 +481,7 @@ def run(
     if client is not None and opts.transport == "inline":
         raise InvalidArgument("--transport inline uses no data plane; pass no client")
     own_cluster = cluster is None
+    progress: _Progress | None = None
     try:
         if client is not None and not client.capabilities.cross_process:
             raise InvalidArgument(
@@ -527,6 +531,8 @@ def run(
             **extra,
         }
     finally:
+        if progress is not None:
+            progress.close()  # the step logs, also when the run failed
         if own_cluster and cluster is not None:
             cluster.shutdown()
         if own_client and client is not None:

@@ -44,3 +44,32 @@ def check_tensorboard(directory: Any, steps: int, groups: tuple[str, ...]) -> se
     lines = Path(directory, "steps.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == list(range(steps))
     return found
+
+
+def write_rollout(
+    owner: Any,
+    fields: dict[str, Any],
+    lengths: list[int],
+    *,
+    uids: list[str],
+    group: int,
+    partition: str,
+    mb_tokens: int,
+) -> tuple[Any, list[Any]]:
+    """Write a rollout's rows (``input_ids`` and ``loss_mask`` token-aligned) and cut them into two DP
+    shards whose plans have several microbatches each (what the worker tests want to exercise)."""
+    from dataplane.columns import first_write
+    from dataplane.preshard import shard_meta_for_dp
+
+    meta = first_write(
+        owner,
+        fields,
+        uids=uids,
+        group_size=group,
+        partition_id=partition,
+        token_fields=["input_ids", "loss_mask"],
+        lengths=lengths,
+    )
+    shards = shard_meta_for_dp(meta, 2, max_tokens_per_microbatch=mb_tokens)
+    assert all(len(s.extra_info["microbatches"]) > 1 for s in shards), "the test wants several microbatches"
+    return meta, shards

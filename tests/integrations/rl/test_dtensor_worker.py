@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 import torch
+from rl_checks import write_rollout
 
 import dataplane
 from dataplane import KVBatchMeta
-from dataplane.columns import first_write, read_columns
+from dataplane.columns import read_columns
 from dataplane.observability import CallEvent, ObservedClient
 from dataplane.preshard import shard_meta_for_dp
 from dataplane.testing.ranks import run_ranks
@@ -99,17 +100,7 @@ def _rank(
 def test_logprobs_and_values_presharded_write_each_key_once_token_aligned() -> None:
     fields, lengths = rollout()
     with dataplane.connect("mooncake://local") as owner:
-        meta = first_write(
-            owner,
-            fields,
-            uids=UIDS,
-            group_size=GROUP,
-            partition_id="rl",
-            token_fields=["input_ids", "loss_mask"],
-            lengths=lengths,
-        )
-        shards = shard_meta_for_dp(meta, 2, max_tokens_per_microbatch=48)
-        assert all(len(s.extra_info["microbatches"]) > 1 for s in shards), "the test wants several microbatches"
+        meta, shards = write_rollout(owner, fields, lengths, uids=UIDS, group=GROUP, partition="rl", mb_tokens=48)
         bad = KVBatchMeta(
             partition_id="rl",
             keys=[*shards[0].keys, "no-such-row"],

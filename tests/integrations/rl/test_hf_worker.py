@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 import torch
+from rl_checks import write_rollout
 
 import dataplane
 from dataplane import KVBatchMeta
-from dataplane.columns import first_write, read_columns
-from dataplane.preshard import shard_meta_for_dp
+from dataplane.columns import read_columns
 from dataplane.testing.ranks import run_ranks
 from integrations.rl.conventions import token_logprobs
 from integrations.rl.losses import ClippedPolicyLoss
@@ -121,17 +121,7 @@ def test_hf_models_on_two_dp_ranks_equal_single_process_transformers() -> None:
     pytest.importorskip("mooncake.store", reason="needs Mooncake: pip install 'dataplane[mooncake]'")
     fields, lengths = rollout()
     with dataplane.connect("mooncake://local") as owner:
-        meta = first_write(
-            owner,
-            fields,
-            uids=UIDS,
-            group_size=GROUP,
-            partition_id="hf",
-            token_fields=["input_ids", "loss_mask"],
-            lengths=lengths,
-        )
-        shards = shard_meta_for_dp(meta, 2, max_tokens_per_microbatch=40)
-        assert all(len(s.extra_info["microbatches"]) > 1 for s in shards), "the test wants several microbatches"
+        meta, shards = write_rollout(owner, fields, lengths, uids=UIDS, group=GROUP, partition="hf", mb_tokens=40)
         results = run_ranks(_rank, 2, owner.url, shards, timeout_s=360)
         names = [f"{f}/{x}" for f in FAMILIES for x in ("lp", "values", "lp_bf16")]
         got = read_columns(owner, meta, ["input_ids", *names], layout="jagged")

@@ -73,7 +73,7 @@ def check_resume(tmp_path: Path, example: str, steps: int, every: int) -> None:
     _kill_after_checkpoint(_command(example, steps, tmp_path / "killed.json", *flags), ckpt, f"step_{every:06d}")
     assert not (tmp_path / "killed.json").exists(), "the killed run never finished"
     resumed = _run(_command(example, steps, tmp_path / "resumed.json", *flags, "--resume"))
-    assert f"resumed from {ckpt / f'step_{every:06d}'}" in resumed["stdout"] or "resumed from" in resumed["stdout"]
+    assert f"resumed from {ckpt / f'step_{every:06d}'} after step {every}" in resumed["stdout"]
     assert [s["reward_mean"] for s in resumed["steps"]] == [s["reward_mean"] for s in straight["steps"]]
     assert resumed["param_sha256"] == straight["param_sha256"]
     if example == "ppo_tiny":
