@@ -60,6 +60,9 @@ class GRPOConfig:
         train_chunks: chunks of whole groups per split step.
         partition_prefix: step ``s`` uses partition ``f"{partition_prefix}-step{s}"``.
         timeout_s: the most a call to the rollout actor waits.
+        sampler_check: report ``sampler_logprob_diff`` (mean) and ``sampler_logprob_diff_max``, how far
+            the rollout engine's log-probs are from the trainer's for the same tokens (the trainers
+            then also read ``gen_logprobs``); see :func:`~integrations.rl.losses.clipped_policy_loss`.
     """
 
     clip: float = 0.2
@@ -70,6 +73,7 @@ class GRPOConfig:
     train_chunks: int = 2
     partition_prefix: str = "grpo"
     timeout_s: float = 300.0
+    sampler_check: bool = True
 
     def __post_init__(self) -> None:
         if self.train_step not in ("split", "monolithic"):
@@ -78,7 +82,9 @@ class GRPOConfig:
         ClippedPolicyLoss(clip_low=self.clip, kl_coef=self.kl_coef, loss_type=self.loss_type)  # validates
 
     def loss(self) -> ClippedPolicyLoss:
-        return ClippedPolicyLoss(clip_low=self.clip, kl_coef=self.kl_coef, loss_type=self.loss_type)
+        return ClippedPolicyLoss(
+            clip_low=self.clip, kl_coef=self.kl_coef, loss_type=self.loss_type, sampler_check=self.sampler_check
+        )
 
 
 def zero_std_groups(rewards: Tensor, uids: list[str]) -> list[str]:

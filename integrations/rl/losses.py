@@ -30,7 +30,15 @@ from torch import Tensor
 
 from dataplane import InvalidArgument
 from dataplane.checks import check_number
-from integrations.rl.conventions import ADVANTAGES, LOSS_MASK, PREV_LOGPROBS, REF_LOGPROBS, RETURNS, VALUES
+from integrations.rl.conventions import (
+    ADVANTAGES,
+    GEN_LOGPROBS,
+    LOSS_MASK,
+    PREV_LOGPROBS,
+    REF_LOGPROBS,
+    RETURNS,
+    VALUES,
+)
 
 __all__ = ["ClippedPolicyLoss", "LossOutput", "LossType", "ValueLoss", "clipped_policy_loss", "value_loss"]
 
@@ -145,6 +153,7 @@ def clipped_policy_loss(
     kl_coef: float = 0.0,
     kl_estimator: KLEstimator = "k3",
     loss_type: LossType = "token",
+    sampler_check: bool = False,
 ) -> LossOutput:
     """PPO/GRPO clipped surrogate plus an optional KL penalty to a reference policy.
 
@@ -162,11 +171,16 @@ def clipped_policy_loss(
         kl_coef: weight of the KL penalty; 0 disables it (``ref_logprobs`` is then not read).
         kl_estimator: ``"k3"`` (non-negative, low variance) or ``"k1"``.
         loss_type: ``"token"`` or ``"sequence"`` (see the module docstring).
+        sampler_check: also read ``gen_logprobs`` (the rollout engine's log-probs of the same tokens)
+            and report how far they are from ``prev_logprobs`` (the trainer's, with the weights the
+            engine sampled with): ~0 when weight sync and the two models agree; a spike is a broken
+            sync (or, in an asynchronous run, rows sampled by older weights).
 
     Returns:
         A :class:`LossOutput`; metrics ``pg_loss``, ``kl`` (when ``kl_coef > 0``), ``clip_fraction`` (the
         share of valid tokens whose gradient is clipped away), ``ratio_min``, ``ratio_max``,
-        ``num_valid_tokens``, ``num_valid_sequences``.
+        ``num_valid_tokens``, ``num_valid_sequences``; with ``sampler_check``, ``sampler_logprob_diff``
+        (the mean ``|gen_logprobs - prev_logprobs|``) and ``sampler_logprob_diff_max``.
 
     Example:
         >>> import torch
@@ -205,6 +219,11 @@ def clipped_policy_loss(
         per_token = pg + kl_coef * kl
         metrics["kl"] = float(red.sum(kl.detach()))
     metrics["ratio_min"], metrics["ratio_max"] = red.extremes(ratio)
+    if sampler_check:
+        gen = _clean(_field(batch, GEN_LOGPROBS, ((b, t),), reader), mask, dtype)
+        gap = (gen - prev).abs()
+        metrics["sampler_logprob_diff"] = float(red.sum(gap))
+        metrics["sampler_logprob_diff_max"] = red.extremes(gap)[1] if red.tokens else 0.0
     metrics.update(red.counts())
     return LossOutput(loss=red.sum(per_token), count=red.count, metrics=metrics)
 
@@ -224,6 +243,7 @@ class ClippedPolicyLoss:
     kl_coef: float = 0.0
     kl_estimator: KLEstimator = "k3"
     loss_type: LossType = "token"
+    sampler_check: bool = False
     input: ClassVar[Literal["logprobs"]] = "logprobs"
 
     def __post_init__(self) -> None:
@@ -243,7 +263,8 @@ class ClippedPolicyLoss:
     def fields(self) -> tuple[str, ...]:
         """The batch fields the loss reads (besides the model's output)."""
         base = (LOSS_MASK, PREV_LOGPROBS, ADVANTAGES)
-        return (*base, REF_LOGPROBS) if self.kl_coef > 0 else base
+        base = (*base, REF_LOGPROBS) if self.kl_coef > 0 else base
+        return (*base, GEN_LOGPROBS) if self.sampler_check else base
 
     def __call__(self, outputs: Tensor, batch: Batch) -> LossOutput:
         return clipped_policy_loss(
@@ -254,6 +275,7 @@ class ClippedPolicyLoss:
             kl_coef=self.kl_coef,
             kl_estimator=self.kl_estimator,
             loss_type=self.loss_type,
+            sampler_check=self.sampler_check,
         )
 
 

@@ -70,6 +70,8 @@ class PPOConfig:
         train_chunks: chunks per minibatch for the split step.
         seed: seeds each epoch's minibatch shuffle (with the step and epoch).
         partition_prefix, timeout_s: see :class:`~integrations.rl.sync_loop.SyncLoop`.
+        sampler_check: report how far the rollout engine's log-probs are from the trainer's
+            (:class:`~integrations.rl.grpo.GRPOConfig`).
     """
 
     clip: float = 0.2
@@ -85,6 +87,7 @@ class PPOConfig:
     seed: int = 0
     partition_prefix: str = "ppo"
     timeout_s: float = 300.0
+    sampler_check: bool = True
 
     def __post_init__(self) -> None:
         if self.train_step not in ("split", "monolithic"):
@@ -97,7 +100,9 @@ class PPOConfig:
         self.value_loss()
 
     def policy_loss(self) -> ClippedPolicyLoss:
-        return ClippedPolicyLoss(clip_low=self.clip, kl_coef=self.kl_coef, loss_type=self.loss_type)
+        return ClippedPolicyLoss(
+            clip_low=self.clip, kl_coef=self.kl_coef, loss_type=self.loss_type, sampler_check=self.sampler_check
+        )
 
     def value_loss(self) -> ValueLoss:
         return ValueLoss(clip=self.value_clip, loss_type=self.loss_type)

@@ -28,7 +28,22 @@ from torch import Tensor
 from dataplane import InvalidArgument
 from dataplane.checks import check_int, check_number
 
-__all__ = ["CountingTask", "Generation", "generate"]
+__all__ = ["CountingTask", "Generation", "Prompt", "generate"]
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A task's prompt, as the rollout engine gets it and the reward sees it.
+
+    Attributes:
+        token_ids: the prompt's tokens.
+        text: the prompt as text (a text task), else None.
+        answer: the reference answer the reward compares with, if any.
+    """
+
+    token_ids: tuple[int, ...]
+    text: str | None = None
+    answer: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,8 +74,9 @@ def generate(
     prompts: Tensor,
     max_new_tokens: int,
     *,
-    eos_id: int | None = None,
+    eos_id: int | Sequence[int] | None = None,
     temperature: float = 1.0,
+    top_p: float = 1.0,
     generator: torch.Generator | Sequence[torch.Generator] | None = None,
 ) -> Generation:
     """Sample ``max_new_tokens`` after each prompt (all prompts ``P`` long), stopping rows at ``eos_id``.
@@ -69,7 +85,10 @@ def generate(
     ``step(input_ids, cache) -> (logits, cache)`` (:class:`~integrations.rl.workers.hf.CausalLMPolicy`).
 
     Sampling is from ``softmax(logits / temperature)`` with ``generator`` (same seed, same weights:
-    same tokens). The returned logprobs are those of the sampled tokens under that distribution.
+    same tokens), restricted to the smallest set of tokens whose probability reaches ``top_p`` when
+    ``top_p < 1``; ``temperature=0`` is greedy. The returned logprobs are those of the sampled tokens
+    under ``softmax(logits / temperature)`` (``temperature`` 1 when greedy), before any top-p cut.
+    ``eos_id`` is one stop token or several.
     A sequence of ``k`` generators splits the rows into ``k`` equal consecutive blocks (groups), each
     sampled with its own: a block's samples are then what generating it alone would give, up to the
     batched forward's rounding (its logprobs may differ in the last bit, and a token only where that
@@ -78,7 +97,9 @@ def generate(
     if prompts.dim() != 2 or prompts.shape[1] < 1 or prompts.dtype != torch.int64:
         raise InvalidArgument(f"prompts must be int64 [B, P] with P >= 1, got {prompts.dtype} {tuple(prompts.shape)}")
     check_int("max_new_tokens", max_new_tokens, low=1, allow_numpy=True)
-    check_number("temperature", temperature, low=0, low_open=True)
+    check_number("temperature", temperature, low=0)
+    check_number("top_p", top_p, low=0, low_open=True, high=1)
+    stops = torch.tensor([] if eos_id is None else [eos_id] if isinstance(eos_id, int) else list(eos_id))
     was_training = model.training
     model.eval()
     try:
@@ -92,16 +113,19 @@ def generate(
         done = torch.zeros(b, dtype=torch.bool)
         lengths = torch.full((b,), p + max_new_tokens, dtype=torch.int64)
         for i in range(max_new_tokens):
-            lp = torch.log_softmax(logits[:, -1].float() / temperature, dim=-1)
-            probs = lp.exp()
-            nxt = torch.cat(
-                [torch.multinomial(probs[k * block : (k + 1) * block], 1, generator=g) for k, g in enumerate(gens)]
-            ).squeeze(1)
+            lp = torch.log_softmax(logits[:, -1].float() / (temperature or 1.0), dim=-1)
+            if temperature == 0:
+                nxt = lp.argmax(dim=-1)
+            else:
+                probs = lp.exp() if top_p >= 1 else _nucleus(lp.exp(), top_p)
+                nxt = torch.cat(
+                    [torch.multinomial(probs[k * block : (k + 1) * block], 1, generator=g) for k, g in enumerate(gens)]
+                ).squeeze(1)
             nxt = torch.where(done, torch.zeros_like(nxt), nxt)
             tokens.append(nxt[:, None])
             logprobs.append(torch.where(done, 0.0, lp.gather(1, nxt[:, None]).squeeze(1))[:, None])
-            if eos_id is not None:
-                ended = ~done & (nxt == eos_id)
+            if stops.numel():
+                ended = ~done & torch.isin(nxt, stops.to(nxt.device))
                 lengths[ended] = p + i + 1
                 done |= ended
             if bool(done.all()) or i == max_new_tokens - 1:
@@ -117,6 +141,13 @@ def generate(
         return Generation(tokens=out, logprobs=lps, lengths=lengths, prompt_len=p)
     finally:
         model.train(was_training)
+
+
+def _nucleus(probs: Tensor, top_p: float) -> Tensor:
+    """``probs`` with every token outside the smallest set reaching ``top_p`` set to 0 (per row)."""
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    drop = sorted_p.cumsum(-1) - sorted_p >= top_p  # the mass before a token already reaches top_p
+    return probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -157,6 +188,27 @@ class CountingTask:
                 break
             good += 1
         return good / self.target_len
+
+    # -- the Task protocol (integrations.rl.tasks.Task) --------------------------------------------
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return (self.eos_id,)
+
+    def prompt(self, generator: torch.Generator) -> Prompt:
+        """A training prompt drawn with ``generator``."""
+        return Prompt(token_ids=tuple(self.prompts(1, generator=generator)[0].tolist()))
+
+    def eval_prompts(self, n: int) -> list[Prompt]:
+        """``n`` held-out prompts: every start in turn (the task has ``vocab_size - 1`` distinct prompts)."""
+        starts = [1 + i % (self.vocab_size - 1) for i in range(check_int("n", n, low=0))]
+        return [
+            Prompt(token_ids=tuple((s - 1 + k) % (self.vocab_size - 1) + 1 for k in range(self.prompt_len)))
+            for s in starts
+        ]
+
+    def score(self, prompt: Prompt, completion: Sequence[int]) -> float:
+        """:meth:`reward` of a completion (token ids, the stop token included or not)."""
+        return self.reward(list(prompt.token_ids), list(completion))
 
     def rewards(self, gen: Generation) -> Tensor:
         """``[B]`` float32 rewards of a :class:`Generation` (responses cut at each row's length)."""

@@ -119,6 +119,8 @@ class StepRecord:
             "lr": self.metrics.get("lr"),
             "entropy": self.metrics.get("entropy"),
             "real_token_share": self.metrics.get("real_token_share"),
+            "sampler_logprob_diff": self.metrics.get("sampler_logprob_diff"),
+            "sampler_logprob_diff_max": self.metrics.get("sampler_logprob_diff_max"),
             "groups": len(self.group_rewards),
             "dropped_groups": len(self.dropped_groups),
             "rows_trained": self.rows_trained,
