@@ -10,6 +10,7 @@ distributed store; the driver only holds a small :class:`KVBatchMeta`.
 [1.0, 0.0]
 """
 
+from dataplane.claims import ConsumptionStatus
 from dataplane.client import Capabilities, DataPlaneClient
 from dataplane.errors import (
     BackendUnavailable,
@@ -27,6 +28,7 @@ from dataplane.errors import (
 )
 from dataplane.meta import KVBatchMeta, RowInfo
 from dataplane.registry import available_adapters, connect, register_adapter
+from dataplane.streaming import ClaimStream, stream
 
 __version__ = "0.1.0"
 
@@ -34,7 +36,9 @@ __all__ = [
     "BackendUnavailable",
     "Capabilities",
     "CapacityExceeded",
+    "ClaimStream",
     "ClientClosed",
+    "ConsumptionStatus",
     "DataPlaneClient",
     "DataPlaneError",
     "DataPlaneTimeout",
@@ -50,4 +54,5 @@ __all__ = [
     "available_adapters",
     "connect",
     "register_adapter",
+    "stream",
 ]

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from dataplane.claims import ConsumptionStatus
 from dataplane.codec.jagged import PadValue
 from dataplane.codec.wire import Layout
 from dataplane.errors import InvalidArgument
@@ -156,6 +157,87 @@ class DataPlaneClient(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement kv_describe")
 
+    # -- consumption by task (docs/claims.md) ------------------------------------------------------
+    def claim_meta(
+        self,
+        task_name: str,
+        *,
+        partition_id: str,
+        required_fields: Sequence[str] | str,
+        batch_size: int,
+        tag_filter: Mapping[str, Any] | None = None,
+        min_rows: int = 1,
+        timeout_s: float = 0.0,
+        length_tag: str | None = None,
+    ) -> KVBatchMeta:
+        """Claim for ``task_name`` up to ``batch_size`` rows of the partition that hold every one of
+        ``required_fields`` (and whose tags equal ``tag_filter``'s) and that the task has not claimed.
+
+        Each row is handed to a task at most once, also when several processes of one deployment
+        claim at the same time (TransferQueue's ``get_meta(mode="fetch", task_name=...)``), until it
+        is cleared (a key put again is a new row) or :meth:`reset_consumption` forgets the task's
+        claims. Tasks need no registration: one that never claimed has claimed nothing. Claimed rows
+        stay readable by anyone until cleared; a claim is not a lease (a consumer that dies loses its
+        rows for that task).
+
+        Args:
+            task_name: the consumer ("train", "ref_logprobs", ...).
+            partition_id: the partition.
+            required_fields: the fields a row must hold to be ready for the task.
+            batch_size: the most rows returned.
+            tag_filter: ``{tag: value}`` a row's tags must hold, or None.
+            min_rows: with ``timeout_s`` > 0, wait until at least this many rows are claimed.
+            timeout_s: 0 (default): claim what is ready now, maybe nothing. Otherwise wait at most this
+                long for ``min_rows``; then return what was claimed (maybe fewer, maybe none).
+            length_tag: a tag holding each row's sequence length, copied into
+                ``meta.sequence_lengths`` (for :func:`dataplane.preshard.shard_meta_for_dp`).
+
+        Returns:
+            A meta of the claimed rows in first-put order (``fields`` = ``required_fields``, ``tags``
+            the rows' merged tags, ``task_name`` set); no keys when none was claimed.
+
+        Raises:
+            InvalidArgument: a bad argument, such as a task name that is not a non-empty printable str
+                (nothing was claimed).
+            SchemaError: a required field that is no field name, a tag filter that is no dict.
+
+        >>> import dataplane, torch
+        >>> with dataplane.connect() as c:
+        ...     _ = c.kv_batch_put(["a", "b"], {"x": torch.ones(2)}, partition_id="p", tags=[{"v": 1}, {"v": 2}])
+        ...     c.claim_meta("train", partition_id="p", required_fields="x", batch_size=4, tag_filter={"v": 2}).keys
+        ('b',)
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement claim_meta")
+
+    def consumption_status(
+        self,
+        task_name: str,
+        *,
+        partition_id: str,
+        required_fields: Sequence[str] | str | None = None,
+        tag_filter: Mapping[str, Any] | None = None,
+    ) -> ConsumptionStatus:
+        """Where ``task_name`` stands on the partition: rows claimed, ready and not ready for it (ready:
+        holding every one of ``required_fields`` and matching ``tag_filter``; with neither, every
+        unclaimed row), and whether a producer marked the partition finished."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement consumption_status")
+
+    def check_consumption_status(self, task_name: str, *, partition_id: str) -> bool:
+        """True when the partition holds rows and ``task_name`` has claimed every one of them
+        (TransferQueue's ``check_consumption_status``)."""
+        return self.consumption_status(task_name, partition_id=partition_id).all_consumed
+
+    def reset_consumption(self, task_name: str | None = None, *, partition_id: str) -> None:
+        """Forget what ``task_name`` (None: every task) claimed in the partition, so its rows are
+        handed out again (TransferQueue's ``reset_consumption``). The rows stay."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement reset_consumption")
+
+    def mark_finished(self, *, partition_id: str, finished: bool = True) -> None:
+        """Say that no more rows will be put into the partition: a :func:`dataplane.stream` over it
+        ends once every row is claimed. ``finished=False`` takes it back. The mark stays when rows are
+        cleared; ``kv_clear(partition_id=...)`` of the whole partition removes it."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement mark_finished")
+
     @abstractmethod
     def close(self) -> None:
         """Release this client (idempotent). Owners also tear down what they started."""
@@ -212,6 +294,55 @@ class DataPlaneClient(ABC):
 
     async def async_kv_describe(self, keys: Sequence[str], *, partition_id: str) -> dict[str, RowInfo]:
         return await asyncio.to_thread(self.kv_describe, keys, partition_id=partition_id)
+
+    async def async_claim_meta(
+        self,
+        task_name: str,
+        *,
+        partition_id: str,
+        required_fields: Sequence[str] | str,
+        batch_size: int,
+        tag_filter: Mapping[str, Any] | None = None,
+        min_rows: int = 1,
+        timeout_s: float = 0.0,
+        length_tag: str | None = None,
+    ) -> KVBatchMeta:
+        return await asyncio.to_thread(
+            self.claim_meta,
+            task_name,
+            partition_id=partition_id,
+            required_fields=required_fields,
+            batch_size=batch_size,
+            tag_filter=tag_filter,
+            min_rows=min_rows,
+            timeout_s=timeout_s,
+            length_tag=length_tag,
+        )
+
+    async def async_consumption_status(
+        self,
+        task_name: str,
+        *,
+        partition_id: str,
+        required_fields: Sequence[str] | str | None = None,
+        tag_filter: Mapping[str, Any] | None = None,
+    ) -> ConsumptionStatus:
+        return await asyncio.to_thread(
+            self.consumption_status,
+            task_name,
+            partition_id=partition_id,
+            required_fields=required_fields,
+            tag_filter=tag_filter,
+        )
+
+    async def async_check_consumption_status(self, task_name: str, *, partition_id: str) -> bool:
+        return await asyncio.to_thread(self.check_consumption_status, task_name, partition_id=partition_id)
+
+    async def async_reset_consumption(self, task_name: str | None = None, *, partition_id: str) -> None:
+        await asyncio.to_thread(self.reset_consumption, task_name, partition_id=partition_id)
+
+    async def async_mark_finished(self, *, partition_id: str, finished: bool = True) -> None:
+        await asyncio.to_thread(self.mark_finished, partition_id=partition_id, finished=finished)
 
     async def async_close(self) -> None:
         await asyncio.to_thread(self.close)

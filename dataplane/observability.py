@@ -23,6 +23,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from dataplane._host.quiet import BACKEND_LOGS_ENV, backend_logs, filtered_stderr
+from dataplane.claims import ConsumptionStatus
 from dataplane.client import Capabilities, DataPlaneClient, FieldsIn, KeysOrMeta, Listing, PadValues
 from dataplane.codec.wire import Layout
 from dataplane.meta import KVBatchMeta, RowInfo
@@ -266,6 +267,52 @@ class ObservedClient(DataPlaneClient):
     def kv_describe(self, keys: Sequence[str], *, partition_id: str) -> dict[str, RowInfo]:
         with self._observe("kv_describe", partition_id, len(keys), 0):
             return self.inner.kv_describe(keys, partition_id=partition_id)
+
+    def claim_meta(
+        self,
+        task_name: str,
+        *,
+        partition_id: str,
+        required_fields: Sequence[str] | str,
+        batch_size: int,
+        tag_filter: Mapping[str, Any] | None = None,
+        min_rows: int = 1,
+        timeout_s: float = 0.0,
+        length_tag: str | None = None,
+    ) -> KVBatchMeta:
+        n_fields = 1 if isinstance(required_fields, str) else len(required_fields)
+        with self._observe("claim_meta", partition_id, 0, n_fields):
+            return self.inner.claim_meta(
+                task_name,
+                partition_id=partition_id,
+                required_fields=required_fields,
+                batch_size=batch_size,
+                tag_filter=tag_filter,
+                min_rows=min_rows,
+                timeout_s=timeout_s,
+                length_tag=length_tag,
+            )
+
+    def consumption_status(
+        self,
+        task_name: str,
+        *,
+        partition_id: str,
+        required_fields: Sequence[str] | str | None = None,
+        tag_filter: Mapping[str, Any] | None = None,
+    ) -> ConsumptionStatus:
+        with self._observe("consumption_status", partition_id, 0, 0):
+            return self.inner.consumption_status(
+                task_name, partition_id=partition_id, required_fields=required_fields, tag_filter=tag_filter
+            )
+
+    def reset_consumption(self, task_name: str | None = None, *, partition_id: str) -> None:
+        with self._observe("reset_consumption", partition_id, 0, 0):
+            self.inner.reset_consumption(task_name, partition_id=partition_id)
+
+    def mark_finished(self, *, partition_id: str, finished: bool = True) -> None:
+        with self._observe("mark_finished", partition_id, 0, 0):
+            self.inner.mark_finished(partition_id=partition_id, finished=finished)
 
     def close(self) -> None:
         self.inner.close()

@@ -11,7 +11,9 @@ in process) or :func:`check_compatible` (schemas kept in the backend).
 
 One more method, :meth:`KVStore.describe` (which fields and tags each key holds, for
 ``kv_describe``), has a default that raises ``NotImplementedError``; every shipped adapter implements
-it, and the conformance suite checks it.
+it, and the conformance suite checks it. So do the four of consumption by task (``claim_meta`` and
+friends, ``docs/claims.md``): :meth:`KVStore.claim`, :meth:`KVStore.consumption`,
+:meth:`KVStore.reset_claims` and :meth:`KVStore.mark_finished`.
 
 Two optional hooks let a store overlap its own round trips with the client's work; their defaults
 call ``put`` and ``get``, so a plain adapter never touches them:
@@ -50,6 +52,7 @@ from typing import Any
 
 import torch
 
+from dataplane.claims import ConsumptionStatus
 from dataplane.client import Capabilities, Listing
 from dataplane.codec.wire import Column
 from dataplane.errors import DataPlaneTimeout, missing_rows_error
@@ -58,7 +61,9 @@ from dataplane.schema import FieldKind, FieldSchema, SchemaRegistry, check_compa
 
 __all__ = [
     "Capabilities",
+    "ClaimedRow",
     "Column",
+    "ConsumptionStatus",
     "FieldKind",
     "FieldSchema",
     "KVBatchMeta",
@@ -71,6 +76,10 @@ __all__ = [
     "missing_rows_error",
     "schema_of",
 ]
+
+
+ClaimedRow = tuple[str, dict[str, Any]]
+"""A row :meth:`KVStore.claim` handed out: its key and its merged tags."""
 
 
 class PendingPut(ABC):
@@ -282,6 +291,59 @@ class KVStore(ABC):
         raise NotImplementedError(
             f"the {self.capabilities.backend!r} adapter does not implement KVStore.describe (kv_describe)"
         )
+
+    # -- consumption by task (optional; see docs/claims.md) ------------------------------------------
+    def claim(
+        self,
+        partition_id: str,
+        task_name: str,
+        fields: Sequence[str],
+        n: int,
+        tag_filter: Mapping[str, Any] | None,
+        *,
+        timeout_s: float,
+    ) -> builtins.list[ClaimedRow]:
+        """Claim for ``task_name`` up to ``n`` rows that hold every one of ``fields``, match
+        ``tag_filter`` (:func:`dataplane.claims.tags_match`) and that the task has not claimed, and
+        return them (key, merged tags) in first-put order; ``[]`` when none is ready. Never waits
+        for rows (the client does). Arguments arrive validated.
+
+        Contract: a row is handed to a task at most once, also when processes of one deployment
+        claim at the same time, until it is cleared (its claims go with it: the key put again is a
+        new row) or the task's claims are reset; a row cleared before the call returns is not
+        returned.
+        """
+        raise NotImplementedError(
+            f"the {self.capabilities.backend!r} adapter does not implement KVStore.claim (claim_meta)"
+        )
+
+    def consumption(
+        self,
+        partition_id: str,
+        task_name: str,
+        fields: Sequence[str],
+        tag_filter: Mapping[str, Any] | None,
+        *,
+        timeout_s: float,
+    ) -> ConsumptionStatus:
+        """Where ``task_name`` stands on the partition (:class:`~dataplane.claims.ConsumptionStatus`,
+        built with :func:`~dataplane.claims.count_status`); ``fields`` may be empty (every unclaimed
+        row is then ready)."""
+        raise NotImplementedError(
+            f"the {self.capabilities.backend!r} adapter does not implement KVStore.consumption (consumption_status)"
+        )
+
+    def reset_claims(self, partition_id: str, task_name: str | None, *, timeout_s: float) -> None:
+        """Forget the claims of ``task_name`` on the partition (None: of every task), so its rows can
+        be claimed again. The rows stay."""
+        raise NotImplementedError(
+            f"the {self.capabilities.backend!r} adapter does not implement KVStore.reset_claims (reset_consumption)"
+        )
+
+    def mark_finished(self, partition_id: str, finished: bool, *, timeout_s: float) -> None:
+        """Record that no more rows will be put into the partition (``finished=False`` takes it back).
+        The mark outlives the partition's rows and goes with ``clear(partition_id, None)`` only."""
+        raise NotImplementedError(f"the {self.capabilities.backend!r} adapter does not implement KVStore.mark_finished")
 
     @abstractmethod
     def close(self) -> None:

@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
@@ -23,6 +24,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from dataplane._host.threads import Helper, usable_cpus
 from dataplane.checks import check_int, check_number
+from dataplane.claims import ConsumptionStatus, check_required, check_tag_filter, check_task
 from dataplane.client import (
     Capabilities,
     DataPlaneClient,
@@ -42,7 +44,7 @@ from dataplane.errors import (
     SchemaError,
 )
 from dataplane.meta import KVBatchMeta, RowInfo, check_keys, trusted_meta
-from dataplane.storage import KVStore, PendingGet
+from dataplane.storage import ClaimedRow, KVStore, PendingGet
 
 __all__ = ["DECODE_THREAD_ENV", "StoreClient", "decode_beside"]
 
@@ -50,6 +52,7 @@ log = logging.getLogger(__name__)
 
 
 DECODE_THREAD_ENV = "DATAPLANE_DECODE_THREAD"
+_CLAIM_POLL_S = (0.005, 0.1)  # a waiting claim asks again after this long, doubling up to the second
 _MIN_CPUS_BESIDE = 2
 
 
@@ -147,6 +150,24 @@ def _common_lengths(columns: Mapping[str, Column]) -> tuple[int, ...] | None:
         elif offsets is not found and not torch.equal(found, offsets):  # equal offsets <=> equal lengths
             return None
     return None if found is None else tuple(np.diff(found.numpy()).tolist())  # CPU int64 (encode_fields)
+
+
+def _lengths_of(rows: Sequence[ClaimedRow], length_tag: str | None) -> list[int] | None:
+    """Each row's ``length_tag`` as ``sequence_lengths``, or None (with a warning when some row lacks
+    it: the rows are claimed already, so the claim must not fail now)."""
+    if length_tag is None or not rows:
+        return None
+    out = [t.get(length_tag) for _, t in rows]
+    if all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in out):
+        return out  # type: ignore[return-value]
+    bad = next(k for (k, _), x in zip(rows, out, strict=True) if not isinstance(x, int) or isinstance(x, bool) or x < 0)
+    log.warning(
+        "dataplane: row %r has no int tag %r >= 0; the claimed meta has no sequence_lengths (tag every row "
+        "with its length at put time)",
+        bad,
+        length_tag,
+    )
+    return None
 
 
 class StoreClient(DataPlaneClient):
@@ -409,6 +430,94 @@ class StoreClient(DataPlaneClient):
         if len(found) != len(key_list):
             raise AssertionError(f"the store described {len(found)} rows for {len(key_list)} keys")
         return {k: row for k, row in zip(key_list, found, strict=True) if row is not None}
+
+    # -- consumption by task (docs/claims.md) ------------------------------------------------------
+    def claim_meta(
+        self,
+        task_name: str,
+        *,
+        partition_id: str,
+        required_fields: Sequence[str] | str,
+        batch_size: int,
+        tag_filter: Mapping[str, Any] | None = None,
+        min_rows: int = 1,
+        timeout_s: float = 0.0,
+        length_tag: str | None = None,
+    ) -> KVBatchMeta:
+        self._check_open()
+        partition_id = _check_partition(partition_id)
+        task = check_task(task_name)
+        fields = check_required(required_fields)
+        check_int("batch_size", batch_size, low=1)
+        check_int("min_rows", min_rows, low=0, high=batch_size)
+        check_number("timeout_s", timeout_s, low=0)
+        wanted = check_tag_filter(tag_filter)
+        if length_tag is not None and not isinstance(length_tag, str):
+            raise InvalidArgument(f"length_tag must be a tag name (str) or None, got {length_tag!r}")
+        deadline = time.monotonic() + float(timeout_s)
+        pause, rounds = _CLAIM_POLL_S[0], 0
+        rows: list[ClaimedRow] = []
+        while True:
+            try:
+                got = self._store.claim(
+                    partition_id, task, fields, batch_size - len(rows), wanted, timeout_s=self.timeout_s
+                )
+            except DataPlaneError as e:
+                if not rows:
+                    raise
+                log.warning("dataplane: claiming more rows failed (%s); returning the %d claimed so far", e, len(rows))
+                break
+            if got:
+                rows += got
+                rounds += 1
+            left = deadline - time.monotonic()
+            if len(rows) >= min_rows or len(rows) >= batch_size or left <= 0:
+                break
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, _CLAIM_POLL_S[1])
+        if rounds > 1:  # rows claimed at different times: first-put order, without rows cleared meanwhile
+            listed = self._store.list(partition_id, timeout_s=self.timeout_s).get(partition_id, {})
+            place = {k: i for i, k in enumerate(listed)}
+            rows = sorted((r for r in rows if r[0] in place), key=lambda r: place[r[0]])
+        lengths = _lengths_of(rows, length_tag)
+        return KVBatchMeta(
+            partition_id=partition_id,
+            keys=tuple(k for k, _ in rows),
+            fields=fields,
+            sequence_lengths=None if lengths is None else tuple(lengths),
+            tags=tuple(t for _, t in rows),
+            task_name=task,
+            deployment=self._deployment,
+            deployment_url=self._deployment_url if self._deployment else "",
+        )
+
+    def consumption_status(
+        self,
+        task_name: str,
+        *,
+        partition_id: str,
+        required_fields: Sequence[str] | str | None = None,
+        tag_filter: Mapping[str, Any] | None = None,
+    ) -> ConsumptionStatus:
+        self._check_open()
+        partition_id = _check_partition(partition_id)
+        task = check_task(task_name)
+        fields = check_required(required_fields, allow_none=True)
+        wanted = check_tag_filter(tag_filter)
+        return self._store.consumption(partition_id, task, fields, wanted, timeout_s=self.timeout_s)
+
+    def reset_consumption(self, task_name: str | None = None, *, partition_id: str) -> None:
+        self._check_open()
+        partition_id = _check_partition(partition_id)
+        task = None if task_name is None else check_task(task_name)
+        self._store.reset_claims(partition_id, task, timeout_s=self.timeout_s)
+
+    def mark_finished(self, *, partition_id: str, finished: bool = True) -> None:
+        self._check_open()
+        partition_id = _check_partition(partition_id)
+        if not isinstance(finished, bool):
+            raise InvalidArgument(f"finished must be True or False, got {finished!r}")
+        self._store.mark_finished(partition_id, finished, timeout_s=self.timeout_s)
 
     def close(self) -> None:
         with self._close_lock:

@@ -28,6 +28,7 @@ import torch
 from dataplane._host.bufpool import BufferPool, default_pool
 from dataplane._host.hostcopy import copy_spans
 from dataplane._host.slots import NONE, add_keys, described, grown, lookup, merged_tags
+from dataplane.adapters._memory_claims import MemoryClaims
 from dataplane.checks import check_bytes
 from dataplane.client import Capabilities, Listing
 from dataplane.codec.jagged import offsets_from_lengths
@@ -108,7 +109,7 @@ class _Partition:
     one on every get and clear; and a get finds every row's bytes with no per-put lookup, however
     many puts its rows come from."""
 
-    __slots__ = ("blocks", "cols", "free", "next_block", "rows", "schema", "slots", "tagged")
+    __slots__ = ("blocks", "claims", "cols", "free", "next_block", "rows", "schema", "slots", "tagged")
 
     def __init__(self) -> None:
         self.rows: dict[str, int] = {}  # live key -> slot
@@ -119,6 +120,7 @@ class _Partition:
         self.slots = 0  # slots handed out
         self.free: list[int] = []  # slots of cleared keys, handed out again
         self.tagged: list[tuple[np.ndarray, tuple[dict[str, Any], ...]]] = []  # (slot per row, tags) per put
+        self.claims: dict[str, set[int]] = {}  # task -> slots it claimed (a cleared slot leaves every set)
 
     def slots_of(self, keys: Sequence[str], found: np.ndarray) -> np.ndarray:
         """The slot of each of ``keys`` (distinct; ``found``: their :func:`lookup`), new keys getting
@@ -181,6 +183,16 @@ class _Partition:
                 kept.append((tslots, tags))
         self.tagged = kept
         self.free += slots.tolist()
+        for taken in self.claims.values():
+            taken.difference_update(slots.tolist())
+
+    def holding(self, slots: np.ndarray, fields: Iterable[str]) -> np.ndarray:
+        """Per slot of ``slots``: whether it holds every one of ``fields``."""
+        has = np.ones(len(slots), dtype=bool)
+        for f in fields:
+            cols = self.cols.get(f)
+            has &= False if cols is None else cols[0][slots] != NONE
+        return has
 
     def listing(self) -> dict[str, dict[str, Any]]:
         """Every live key with its tags (merged over the puts that wrote it, in order)."""
@@ -259,8 +271,8 @@ def _assemble(
     return out
 
 
-class MemoryStore(KVStore):
-    """The memory adapter's store. See the module docstring."""
+class MemoryStore(MemoryClaims, KVStore):
+    """The memory adapter's store. See the module docstring (claims: :class:`MemoryClaims`)."""
 
     def __init__(self, config: MemoryConfig | None = None) -> None:
         cfg = config or MemoryConfig()
@@ -271,6 +283,7 @@ class MemoryStore(KVStore):
         self.config = cfg
         self._lock = threading.Lock()
         self._parts: dict[str, _Partition] = {}
+        self._finished: set[str] = set()  # partitions a producer marked finished (mark_finished)
         self._rows = 0
         self._bytes = 0
         self._pool = BufferPool(min(cfg.capacity_bytes or (2 << 30), 2 << 30))
@@ -423,6 +436,8 @@ class MemoryStore(KVStore):
     def clear(self, partition_id: str, keys: Sequence[str] | None, *, timeout_s: float) -> None:
         self._acquire(timeout_s)
         try:
+            if keys is None:
+                self._finished.discard(partition_id)
             part = self._parts.get(partition_id)
             if part is None:
                 return
@@ -515,6 +530,22 @@ class _SharedRef(KVStore):
 
     def describe(self, partition_id: str, keys: Sequence[str], *, timeout_s: float) -> builtins.list[RowInfo | None]:
         return self.target.describe(partition_id, keys, timeout_s=timeout_s)
+
+    def claim(
+        self, partition_id: str, task_name: str, fields: Sequence[str], n: int, tag_filter: Any, *, timeout_s: float
+    ) -> Any:
+        return self.target.claim(partition_id, task_name, fields, n, tag_filter, timeout_s=timeout_s)
+
+    def consumption(
+        self, partition_id: str, task_name: str, fields: Sequence[str], tag_filter: Any, *, timeout_s: float
+    ) -> Any:
+        return self.target.consumption(partition_id, task_name, fields, tag_filter, timeout_s=timeout_s)
+
+    def reset_claims(self, partition_id: str, task_name: str | None, *, timeout_s: float) -> None:
+        self.target.reset_claims(partition_id, task_name, timeout_s=timeout_s)
+
+    def mark_finished(self, partition_id: str, finished: bool, *, timeout_s: float) -> None:
+        self.target.mark_finished(partition_id, finished, timeout_s=timeout_s)
 
     def close(self) -> None:
         name = self.target.config.name

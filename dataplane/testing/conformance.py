@@ -30,6 +30,7 @@ from dataplane.errors import (
 )
 from dataplane.meta import MAX_KEY_LEN, KVBatchMeta
 from dataplane.testing._conformance_base import _SLOW, AWKWARD_KEYS, _jagged, _rows_of
+from dataplane.testing._conformance_claims import ConformanceClaims
 from dataplane.testing._conformance_guards import ConformanceGuards
 from dataplane.testing._conformance_snapshot import ConformanceSnapshot
 from dataplane.testing.strategies import ALL_DTYPES, bit_exact, ragged_batches, random_tensor
@@ -37,10 +38,12 @@ from dataplane.testing.strategies import ALL_DTYPES, bit_exact, ragged_batches, 
 __all__ = ["ClientConformance"]
 
 
-class ClientConformance(ConformanceGuards, ConformanceSnapshot):
+class ClientConformance(ConformanceGuards, ConformanceSnapshot, ConformanceClaims):
     """Shared semantics of every :class:`~dataplane.client.DataPlaneClient`: round trips and semantics
-    here, the rest in :class:`~dataplane.testing._conformance_guards.ConformanceGuards`, the hooks and
-    fixtures in :class:`~dataplane.testing._conformance_base.ConformanceBase`."""
+    here, the rest in :class:`~dataplane.testing._conformance_guards.ConformanceGuards`, snapshots in
+    :class:`~dataplane.testing._conformance_snapshot.ConformanceSnapshot`, consumption by task in
+    :class:`~dataplane.testing._conformance_claims.ConformanceClaims`; the hooks and fixtures in
+    :class:`~dataplane.testing._conformance_base.ConformanceBase`."""
 
     # -- round trips ----------------------------------------------------------------------------
     @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)

@@ -47,6 +47,8 @@ def make_state_machine(factory: Callable[[], DataPlaneClient]) -> type[RuleBased
             # model: partition -> key -> field -> row value; and key -> tags
             self.model: dict[str, dict[str, dict[str, Any]]] = {p: {} for p in self.parts}
             self.tags: dict[str, dict[str, dict[str, Any]]] = {p: {} for p in self.parts}
+            # partition -> task -> keys it claimed (a clear drops them; None: the adapter has no claims)
+            self.claimed: dict[str, dict[str, set[str]]] | None = {p: {} for p in self.parts}
 
         @rule(
             part=st.integers(0, 1),
@@ -138,6 +140,39 @@ def make_state_machine(factory: Callable[[], DataPlaneClient]) -> type[RuleBased
             for k in list(self.model[pid]) if keys is None else keys:
                 self.model[pid].pop(k, None)
                 self.tags[pid].pop(k, None)
+                for taken in (self.claimed or {}).get(pid, {}).values():
+                    taken.discard(k)
+
+        @rule(
+            part=st.integers(0, 1),
+            task=st.sampled_from(["t1", "t2"]),
+            fields=st.lists(st.sampled_from(_FIELDS), min_size=1, max_size=2, unique=True),
+            n=st.integers(1, 4),
+        )
+        def claim(self, part: int, task: str, fields: list[str], n: int) -> None:
+            """A claim hands out up to ``n`` rows holding ``fields`` that the task has not claimed,
+            in first-put order (which of them a backend picks first may vary: TransferQueue's
+            controller picks by its row index), and the task's counts follow."""
+            if self.claimed is None:
+                return
+            pid = self.parts[part]
+            try:
+                meta = self.client.claim_meta(task, partition_id=pid, required_fields=fields, batch_size=n)
+            except NotImplementedError:
+                self.claimed = None
+                return
+            taken = self.claimed[pid].setdefault(task, set())
+            order = list(self.tags[pid])  # first-put order
+            ready = [k for k in order if k not in taken and all(f in self.model[pid][k] for f in fields)]
+            got = list(meta.keys)
+            assert len(got) == min(n, len(ready)) and set(got) <= set(ready), (pid, task, fields, got, ready)
+            assert got == sorted(got, key=order.index), ("first-put order", got)
+            assert meta.tags == tuple(self.tags[pid][k] for k in got)
+            taken.update(got)
+            status = self.client.consumption_status(task, partition_id=pid, required_fields=fields)
+            left = [k for k in order if k not in taken]
+            expect = (len(taken), sum(all(f in self.model[pid][k] for f in fields) for k in left), len(order))
+            assert (status.claimed, status.ready, status.total) == expect, (pid, task, status, expect)
 
         @invariant()
         def listing_matches(self) -> None:

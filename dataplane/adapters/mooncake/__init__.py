@@ -17,7 +17,7 @@ User guide (options, cluster recipe, RDMA, limits): ``docs/backends/mooncake.md`
 cluster node is ``python -m dataplane.adapters.mooncake.store_server --help``.
 
 Modules: ``_connect`` (options, deployment, ``connect``), ``_store`` (the :class:`MooncakeStore`,
-made of ``_partitions``, ``_put``, ``_get`` and ``_clear``), ``_index`` (object names and index
+made of ``_partitions``, ``_put``, ``_get``, ``_clear`` and ``_claims``: claim markers, ``docs/claims.md``), ``_index`` (object names and index
 objects), ``_read`` (planning a get's reads), ``_handle`` (the guarded Mooncake client and the
 master's admin API), ``_shm`` (shared-memory arenas), ``_servers`` and ``store_server`` (store
 server processes).

@@ -10,12 +10,15 @@ from collections.abc import Sequence
 
 from dataplane.adapters.mooncake._fold import PartitionState, birth_marker
 from dataplane.adapters.mooncake._index import (
+    claims_prefix,
     data_prefix,
     decode_index,
     encode_index,
+    index_and_claim_lines,
     index_object_bytes,
     index_prefix,
     new_put_id,
+    partition_prefix,
 )
 from dataplane.adapters.mooncake._partitions import PartitionCache, _Part
 from dataplane.errors import (
@@ -56,13 +59,19 @@ class Clears(PartitionCache):
                 self._remove_listed(partition_id, part, lines)
                 part.known, part.state, part.mine = {}, PartitionState(), {}
             self._forget(partition_id, part)
+            # claim markers (of every task) and the finished mark: a marker a claimant writes for a row
+            # after its clear names a row id no later row has (PartitionState.row_ids), so it claims
+            # nothing; the partition's next whole clear sweeps it
+            self.handle.remove_regex(f"^{_literal(partition_prefix(self.ns, partition_id))}(c/|f$)")
             return
-        lines = self._listing(deadline)
+        head = claims_prefix(self.ns, partition_id)  # the listing names the partition's claim markers too
+        lines = self.admin.start_all_keys(self._time_left(deadline), index_and_claim_lines(self.ns, head))()
         with part.lock:
             state = self._refresh(partition_id, part, lines, {}, deadline)
             doomed = [k for k in keys if k in state.rows]
             if not doomed:
                 return
+            gone_ids = {i for i in state.row_ids(doomed) if i is not None}
             garbage, need_tombstone, reborn = state.garbage_after_delete(doomed)
             known = dict(part.known)
             doomed_objects = [k for p in garbage for k in p.object_keys()]
@@ -94,6 +103,9 @@ class Clears(PartitionCache):
             part.state = part.state.refresh(known)
         if not known:
             self._forget(partition_id, part)
+        markers = [ln for ln in lines if ln.startswith(head) and ln.rsplit("/", 1)[-1] in gone_ids]
+        if markers:
+            self._remove(markers)
 
     def _write_indexes(self, objects: Sequence[tuple[str, bytes]], partition_id: str, deadline: float) -> None:
         """Write index objects ``objects`` ((key, body) each) in one all-or-nothing batch."""

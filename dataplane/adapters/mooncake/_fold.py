@@ -5,6 +5,7 @@ that keep that order across clears. Object names and the index format: :mod:`._i
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -181,6 +182,20 @@ class PartitionState:
             {name: put_no for name, (put_no, _) in self._newest.items()},
             ((slots, self._folded[n].tags) for n, slots in self._tagged),
         )
+
+    def row_ids(self, keys: Sequence[str]) -> list[str | None]:
+        """Per key of ``keys``: an id of its row that no other row of the partition, before or after,
+        has (None where it is not a live key): the put id its key was first put by since it was last
+        cleared, and a digest of the key. A birth marker keeps the id: its put id begins with the put
+        id it stands in for (:func:`birth_marker`)."""
+        out: list[str | None] = []
+        for k, s in zip(keys, lookup(self.rows, keys).tolist(), strict=True):
+            if s == NONE:
+                out.append(None)
+                continue
+            born = "-".join(self._folded[int(self._born[s])].put_id.split("-", 2)[:2])
+            out.append(f"{born}.{hashlib.blake2b(k.encode(), digest_size=12).hexdigest()}")
+        return out
 
     def garbage_after_delete(self, doomed: Iterable[str]) -> tuple[list[PutIndex], bool, list[PutIndex]]:
         """Plan a ``kv_clear(keys)``: the puts and tombstones nothing reads once ``doomed`` are gone,

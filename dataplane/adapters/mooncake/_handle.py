@@ -269,6 +269,17 @@ class StoreHandle:
                 out += st.batch_upsert_from(list(keys[a:b]), list(ptrs[a:b]), list(sizes[a:b]), self.put_config)
         return out
 
+    def put_from_if_absent(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
+        """``batch_put_from`` (hard-pinned), chunked; one return code per key. A key that holds a value,
+        or whose put is in flight, keeps it and reports 0 too (Mooncake turns -705 into success): read
+        it back to learn whose value won."""
+        out: list[int] = []
+        with self._enter() as st:
+            for a in range(0, len(keys), MAX_KEYS_PER_CALL):
+                b = a + MAX_KEYS_PER_CALL
+                out += st.batch_put_from(list(keys[a:b]), list(ptrs[a:b]), list(sizes[a:b]), self.put_config)
+        return out
+
     def get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
         """``batch_get_into``, chunked; bytes read or a negative code per key. A key named more than
         once goes in separate calls: in one, Mooncake fills only its last buffer and reports every

@@ -18,6 +18,10 @@ Layout in Mooncake (one namespace ``ns`` per deployment or job):
   dataplanes that read index version 4 fold it alike, so it needs no new version (their clears,
   though, may collect a tag-only put whose rows have no tags, or a birth put: see below).
 
+* ``{ns}/{part}/c/{task}/{row id}``: a claim marker, one per (row, task) that claimed it, written put-if-absent
+  and holding its claimant's token (:mod:`._claims`); ``{ns}/{part}/f``: the partition's finished
+  mark. Neither is an index object, so listings, gets and the schema check never see them.
+
 Every index object is stored padded to whole pages, and so is every data object of a writer that
 sends from its own memory (shared memory, RDMA; its index says so): see :data:`OBJECT_ALIGN`. The
 padding bytes are unspecified and never read as data.
@@ -58,6 +62,7 @@ from dataplane.schema import FieldSchema
 
 __all__ = [
     "OBJECT_ALIGN",
+    "claims_prefix",
     "FieldEntry",
     "ListedPuts",
     "PutIndex",
@@ -65,6 +70,8 @@ __all__ = [
     "data_keys",
     "decode_index",
     "encode_index",
+    "finished_key",
+    "index_and_claim_lines",
     "index_lines",
     "index_object_bytes",
     "index_prefix",
@@ -157,6 +164,17 @@ def data_keys(puts: Sequence[PutIndex], field: str) -> list[str]:
     return [f"{head}d/{p.put_id}/{PACKED if p.packed else token}" for p in puts]
 
 
+def claims_prefix(ns: str, partition_id: str, task_name: str | None = None) -> str:
+    """What the claim markers of the partition (of one task, when given) begin with."""
+    head = f"{partition_prefix(ns, partition_id)}c/"
+    return head if task_name is None else f"{head}{_token(task_name)}/"
+
+
+def finished_key(ns: str, partition_id: str) -> str:
+    """The object that marks the partition finished (``mark_finished``)."""
+    return f"{partition_prefix(ns, partition_id)}f"
+
+
 def data_prefix(ns: str, partition_id: str) -> str:
     """What every data object of the partition begins with (:func:`data_key`)."""
     return f"{partition_prefix(ns, partition_id)}d/"
@@ -183,6 +201,15 @@ def index_lines(ns: str) -> re.Pattern[bytes]:
     """Finds the index keys of namespace ``ns`` (every partition) in a ``/get_all_keys`` answer with a
     newline put in front (see :func:`dataplane.adapters.mooncake._handle._lines`)."""
     return re.compile(rb"\n(" + re.escape(ns.encode()) + rb"/[^/\n]+/i/[^\n]*)")
+
+
+def index_and_claim_lines(ns: str, claims_head: str, extra: str = "") -> re.Pattern[bytes]:
+    """As :func:`index_lines`, and also the keys beginning with ``claims_head`` (claim markers, see
+    :func:`claims_prefix`) and the key ``extra`` when given: one listing serves a clear or a claim."""
+    alternatives = rb"(?:" + re.escape(ns.encode()) + rb"/[^/\n]+/i/|" + re.escape(claims_head.encode()) + rb")[^\n]*"
+    if extra:
+        alternatives += rb"|" + re.escape(extra.encode())
+    return re.compile(rb"\n(" + alternatives + rb")(?=\n|$)")
 
 
 def parse_index_key(key: str, prefix: str) -> tuple[str, int] | None:

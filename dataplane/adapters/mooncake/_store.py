@@ -27,7 +27,7 @@ import builtins
 import time
 from collections.abc import Sequence
 
-from dataplane.adapters.mooncake._clear import Clears
+from dataplane.adapters.mooncake._claims import Claims
 from dataplane.adapters.mooncake._get import Gets
 from dataplane.adapters.mooncake._index import part_token, partition_of_token
 from dataplane.adapters.mooncake._partitions import HINT_KEY, READ_KEY
@@ -38,9 +38,10 @@ from dataplane.meta import RowInfo
 __all__ = ["HINT_KEY", "READ_KEY", "MooncakeStore"]
 
 
-class MooncakeStore(Puts, Gets, Clears):
-    """The Mooncake store (see the module docstring): the partition cache it shares with its puts, gets
-    and clears lives in :class:`._partitions.PartitionCache`."""
+class MooncakeStore(Puts, Gets, Claims):
+    """The Mooncake store (see the module docstring): the partition cache it shares with its puts, gets,
+    clears and claims (:class:`._claims.Claims`, a :class:`._clear.Clears`) lives in
+    :class:`._partitions.PartitionCache`."""
 
     def list(self, partition_id: str | None, *, timeout_s: float) -> Listing:
         deadline = time.monotonic() + timeout_s

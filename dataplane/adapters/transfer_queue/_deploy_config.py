@@ -174,7 +174,9 @@ def build_conf(cfg: TQDeployConfig, master_address: str | None) -> dict[str, Any
                 "hard_pin": bool(cfg.mooncake_hard_pin),
             },
         }
-    conf: dict[str, Any] = {"backend": backend}
+    # polling: a fetch of more rows than are ready answers at once with none, where TQ's default
+    # sleeps 5 s inside the controller's one request thread, stalling every client (claim_meta)
+    conf: dict[str, Any] = {"backend": backend, "controller": {"polling_mode": True}}
     return _deep_merge(conf, dict(cfg.tq_conf))
 
 

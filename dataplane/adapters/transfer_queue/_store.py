@@ -4,6 +4,7 @@ process shares between its clients, and :func:`connect`. The package docstring
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 import threading
@@ -13,11 +14,13 @@ from typing import Any, ClassVar, Literal
 from urllib.parse import parse_qs, urlparse
 
 from dataplane._host.quiet import quiet_typed_errors
+from dataplane.adapters.transfer_queue._claims import TQClaims
 from dataplane.adapters.transfer_queue._deploy_config import TQDeployConfig
 from dataplane.adapters.transfer_queue._deployment import TQDeployment, start_or_attach
 from dataplane.adapters.transfer_queue._layout import MARKER, stored_keys, user_listing
 from dataplane.adapters.transfer_queue._ops import SCHEMA_EXTRA, TQOps
 from dataplane.checks import check_bytes
+from dataplane.claims import ConsumptionStatus
 from dataplane.client import Capabilities, Listing
 from dataplane.codec.wire import Column
 from dataplane.errors import (
@@ -30,7 +33,7 @@ from dataplane.errors import (
 )
 from dataplane.meta import KVBatchMeta, RowInfo
 from dataplane.registry import check_options, url_option
-from dataplane.storage import KVStore
+from dataplane.storage import ClaimedRow, KVStore
 from dataplane.store_client import StoreClient
 
 __all__ = ["TQConfig", "TQStore", "attached_clients", "connect"]
@@ -38,6 +41,7 @@ __all__ = ["TQConfig", "TQStore", "attached_clients", "connect"]
 log = logging.getLogger(__name__)
 
 _Described = list[RowInfo | None]  # an alias: inside TQStore, ``list`` is its method
+_Claimed = list[ClaimedRow]
 
 _GIB = 1 << 30
 
@@ -216,6 +220,7 @@ class TQStore(KVStore):
         quiet_typed_errors()  # TQ's log lines for what this adapter raises typed (after ray.init: see there)
         try:
             self._ops = TQOps(self._dep)
+            self._claims = TQClaims(self._ops, self._dep.conf)
         except BaseException:
             _release(self._dep)
             raise
@@ -299,8 +304,49 @@ class TQStore(KVStore):
         return out
 
     def clear(self, partition_id: str, keys: Sequence[str] | None, *, timeout_s: float) -> None:
-        stored = None if keys is None else stored_keys(keys)
-        self._run("clear", self._ops.clear, partition_id, stored, timeout_s=timeout_s)
+        if keys is None:  # the whole partition, and its finished mark
+            self._run("clear", self._clear_all, partition_id, timeout_s, timeout_s=timeout_s)
+            return
+        self._run("clear", self._ops.clear, partition_id, stored_keys(keys), timeout_s=timeout_s)
+
+    async def _clear_all(self, partition_id: str, budget_s: float) -> None:
+        await asyncio.gather(self._ops.clear(partition_id, None), self._claims.mark(partition_id, False, budget_s))
+
+    # -- consumption by task: TQ's own consumption tracking (see ._claims) --------------------------
+    def claim(
+        self,
+        partition_id: str,
+        task_name: str,
+        fields: Sequence[str],
+        n: int,
+        tag_filter: Mapping[str, Any] | None,
+        *,
+        timeout_s: float,
+    ) -> _Claimed:
+        out: _Claimed = self._run(
+            "claim", self._claims.claim, partition_id, task_name, fields, n, tag_filter, timeout_s, timeout_s=timeout_s
+        )
+        return out
+
+    def consumption(
+        self,
+        partition_id: str,
+        task_name: str,
+        fields: Sequence[str],
+        tag_filter: Mapping[str, Any] | None,
+        *,
+        timeout_s: float,
+    ) -> ConsumptionStatus:
+        out: ConsumptionStatus = self._run(
+            "consumption", self._claims.consumption, partition_id, task_name, fields, tag_filter, timeout_s=timeout_s
+        )
+        return out
+
+    def reset_claims(self, partition_id: str, task_name: str | None, *, timeout_s: float) -> None:
+        self._run("reset_consumption", self._claims.reset, partition_id, task_name, timeout_s=timeout_s)
+
+    def mark_finished(self, partition_id: str, finished: bool, *, timeout_s: float) -> None:
+        self._run("mark_finished", self._claims.mark, partition_id, finished, timeout_s, timeout_s=timeout_s)
 
     def list(self, partition_id: str | None, *, timeout_s: float) -> Listing:
         out: Listing = self._run("list", self._ops.list, partition_id, timeout_s=timeout_s)

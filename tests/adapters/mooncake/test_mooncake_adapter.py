@@ -884,7 +884,8 @@ class TestMooncakeAdapter:
                 ("remove", listed),
                 ("remove_regex", f"^dataplane/order/d/({ids})/"),
             ]
-            assert len(calls) == 3 and calls[2][1].startswith("^dataplane/order/d/(")  # old orphans (below)
+            assert len(calls) == 4 and calls[2][1].startswith("^dataplane/order/d/(")  # old orphans (below)
+            assert calls[3] == ("remove_regex", "^dataplane/order/(c/|f$)")  # claim markers, finished mark
             assert not [k for k in _all_keys(owner) if k.startswith("dataplane/order/")]
         finally:
             monkeypatch.undo()
