@@ -6,7 +6,10 @@ Synchronous GRPO over Ray actors lives in :mod:`integrations.rl.grpo` (driver),
 :mod:`integrations.rl.rollout_actor` and :mod:`integrations.rl.weight_sync`; a runnable example in
 :mod:`integrations.rl.examples.grpo_tiny`; PPO in :mod:`integrations.rl.ppo`. Asynchronous GRPO with a
 single controller: :mod:`integrations.rl.controller` over :mod:`integrations.rl.replay` and
-:mod:`integrations.rl.staleness` (example :mod:`integrations.rl.examples.grpo_async_tiny`). Only public
+:mod:`integrations.rl.staleness` (example :mod:`integrations.rl.examples.grpo_async_tiny`). What the
+rollout actor samples with and scores: :mod:`integrations.rl.engines` (the engine protocol, the torch
+and transformers engines), :mod:`integrations.rl.tasks` (text tasks, GSM8K, tokenizers) and
+:mod:`integrations.rl.rewards` (example :mod:`integrations.rl.examples.grpo_text`). Only public
 ``dataplane`` names are used; Ray is never imported here, and those modules import it only where a
 call needs it. See ``docs/rl.md`` (the guide) and ``docs/rl/api.md`` (the reference).
 

@@ -262,7 +262,7 @@ class ClippedPolicyLoss:
     @property
     def fields(self) -> tuple[str, ...]:
         """The batch fields the loss reads (besides the model's output)."""
-        base = (LOSS_MASK, PREV_LOGPROBS, ADVANTAGES)
+        base: tuple[str, ...] = (LOSS_MASK, PREV_LOGPROBS, ADVANTAGES)
         base = (*base, REF_LOGPROBS) if self.kl_coef > 0 else base
         return (*base, GEN_LOGPROBS) if self.sampler_check else base
 

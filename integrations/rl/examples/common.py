@@ -22,14 +22,14 @@ from dataplane.checks import check_int, check_number
 from integrations.rl.checkpoint import RunCheckpoints
 from integrations.rl.controller import AsyncConfig, AsyncGRPO
 from integrations.rl.examples import models
+from integrations.rl.examples.progress import Progress
 from integrations.rl.grpo import GRPO, GRPOConfig
 from integrations.rl.metering import add_totals
 from integrations.rl.policy import ActorFailure, Policy, gather
 from integrations.rl.ppo import PPO, PPOConfig
-from integrations.rl.rollout import CountingTask
 from integrations.rl.rollout_actor import RolloutActor
-from integrations.rl.step_log import StepLogger
 from integrations.rl.sync_loop import StepRecord, SyncLoop
+from integrations.rl.tasks import Task
 
 __all__ = ["Cluster", "Options", "run", "start_ray"]
 
@@ -47,6 +47,8 @@ class Options:
     seed: int = 0
     dp: int = 2
     tp: int = 1
+    pp: int = 1  # pipeline stages (--worker megatron only)
+    worker: Literal["fsdp2", "megatron"] = "fsdp2"
     prompts_per_step: int = 16
     group_size: int = 8
     max_new_tokens: int = 6
@@ -63,6 +65,13 @@ class Options:
     rollout_actors: int = 1
     rollout_latency: float = 0.0
     device: Literal["cpu", "cuda"] = "cpu"
+    task_name: str = "counting"  # models.TASKS or a GSM8K-format JSONL file
+    engine: Literal["torch", "hf"] = "torch"
+    tokenizer: str | None = None
+    max_operand: int = 9
+    temperature: float = 1.0
+    eval_every: int = 0
+    eval_prompts: int = 64
     checkpoint_dir: str | None = None
     checkpoint_every: int = 5
     keep: int = 2
@@ -101,28 +110,69 @@ class Options:
                 "asynchronous GRPO does not checkpoint yet (its replay buffer and in-flight rollouts are not saved); "
                 "drop --checkpoint-dir, or use grpo_tiny / ppo_tiny"
             )
-        for name in ("steps", "dp", "tp", "prompts_per_step", "group_size", "max_new_tokens", "rollout_actors"):
+        if self.engine not in ("torch", "hf"):
+            raise InvalidArgument(f"--engine must be 'torch' or 'hf', got {self.engine!r}")
+        if self.task_name not in models.TASKS and not os.path.isfile(self.task_name):
+            raise InvalidArgument(
+                f"--task must be one of {models.TASKS} or a GSM8K-format JSONL file, got {self.task_name!r}"
+            )
+        check_int("--eval-every", self.eval_every, low=0)
+        check_int("--eval-prompts", self.eval_prompts, low=1)
+        if self.eval_every and self.algorithm == "grpo_async":
+            raise InvalidArgument("asynchronous GRPO does not run evaluations yet; drop --eval-every")
+        for name in ("steps", "dp", "tp", "pp", "prompts_per_step", "group_size", "max_new_tokens", "rollout_actors"):
             check_int(name, getattr(self, name), low=1)
         if self.device not in ("cpu", "cuda"):
             raise InvalidArgument(f"--device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.device == "cuda":
             import torch
 
-            have, need = torch.cuda.device_count(), self.dp * self.tp
+            have, need = torch.cuda.device_count(), self.ranks
             if have < need:
                 raise InvalidArgument(
-                    f"--device cuda puts each of the dp x tp = {self.dp} x {self.tp} = {need} trainer ranks on a GPU "
-                    f"of its own, but torch sees {have} CUDA device(s) here "
-                    f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): lower --dp/--tp so that "
-                    f"dp x tp <= {have}, run on a host with {need} GPUs, or use --device cpu"
+                    f"--device cuda puts each of the dp x tp x pp = {self.dp} x {self.tp} x {self.pp} = {need} trainer "
+                    f"ranks on a GPU of its own, but torch sees {have} CUDA device(s) here "
+                    f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): lower --dp/--tp/--pp so that "
+                    f"dp x tp x pp <= {have}, run on a host with {need} GPUs, or use --device cpu"
                 )
+        self._check_worker()
 
-    def rollout_model(self) -> Any:
+    @property
+    def ranks(self) -> int:
+        """Trainer ranks: ``dp * tp * pp``."""
+        return self.dp * self.tp * self.pp
+
+    def _check_worker(self) -> None:
+        """``--worker``: FSDP2 anywhere; Megatron on CUDA with megatron-core, the tiny model, no checkpoints."""
+        if self.worker not in ("fsdp2", "megatron"):
+            raise InvalidArgument(f"--worker must be 'fsdp2' or 'megatron', got {self.worker!r}")
+        if self.worker == "fsdp2":
+            if self.pp != 1:
+                raise InvalidArgument(f"--pp {self.pp} needs --worker megatron (FSDP2 workers have no pipeline stages)")
+            return
+        if self.device != "cuda":
+            raise InvalidArgument("--worker megatron trains with Megatron-Core, on GPUs only: add --device cuda")
+        from integrations.rl.workers.megatron import require_megatron
+
+        require_megatron()  # megatron-core importable, a CUDA device seen
+        if self.model != "tiny":
+            raise InvalidArgument(
+                f"--worker megatron trains the tiny model as a Megatron GPT; --model {self.model} trains with "
+                "--worker fsdp2 (an HF model on Megatron needs its weights converted: docs/rl/megatron.md)"
+            )
+        if self.checkpoint_dir:
+            raise InvalidArgument(
+                "--worker megatron does not checkpoint yet (its state needs Megatron's dist_checkpointing); "
+                "drop --checkpoint-dir, or use --worker fsdp2"
+            )
+
+    def rollout_model(self, task: Any = None) -> Any:
         """What the rollout actor samples with (see :mod:`integrations.rl.examples.models`)."""
-        return models.rollout_model(self)
+        return models.rollout_model(self, task)
 
-    def task(self) -> CountingTask:
-        return CountingTask(vocab_size=self.vocab_size, prompt_len=4, target_len=self.target_len)
+    def task(self) -> Task:
+        """The run's task (``--task``; see :func:`integrations.rl.examples.models.build_task`)."""
+        return models.build_task(self)  # type: ignore[no-any-return]
 
     def factories(self) -> dict[str, Callable[[], Any]]:
         """The trainer ranks' workers (see :func:`integrations.rl.examples.models.worker_factories`)."""
@@ -185,40 +235,43 @@ class Cluster:
 
     @classmethod
     def start(cls, opts: Options) -> Cluster:
-        """Spawn ``dp * tp`` trainer actors and a rollout actor (Ray must be running), each with an
+        """Spawn ``dp * tp * pp`` trainer actors and a rollout actor (Ray must be running), each with an
         equal share of Ray's free CPUs up to half a CPU (a Ray that ``tq://`` started keeps two for
         TransferQueue)."""
         import ray
 
-        actors = opts.dp * opts.tp + opts.rollout_actors
+        actors = opts.ranks + opts.rollout_actors
         free = float(ray.available_resources().get("CPU", 0.0))  # type: ignore[no-untyped-call]
         share = min(0.5, int(100 * free / actors) / 100)
         if share < 0.01:
             raise InvalidArgument(f"Ray has {free:g} free CPUs for {actors} actors; start Ray with more num_cpus")
         if opts.device == "cuda":
             gpus = float(ray.available_resources().get("GPU", 0.0))  # type: ignore[no-untyped-call]
-            if gpus < opts.dp * opts.tp:
+            if gpus < opts.ranks:
                 raise InvalidArgument(
-                    f"Ray has {gpus:g} free GPUs for {opts.dp * opts.tp} trainer ranks on --device cuda; start Ray "
+                    f"Ray has {gpus:g} free GPUs for {opts.ranks} trainer ranks on --device cuda; start Ray "
                     "with num_gpus (start_ray does), or free its GPUs"
                 )
         policy = Policy.spawn(
             opts.factories(),
             dp=opts.dp,
             tp=opts.tp,
+            pp=opts.pp,
             num_cpus=share,
             max_tokens_per_microbatch=opts.max_tokens_per_microbatch,
             **opts.trainer_resources(),
         )
+        task = opts.task()
         rollouts = [
             ray.remote(RolloutActor)
             .options(num_cpus=share)
             .remote(
-                opts.rollout_model(),
-                opts.task(),
+                opts.rollout_model(task),
+                task,
                 prompts_per_step=opts.prompts_per_step,
                 group_size=opts.group_size,
                 max_new_tokens=opts.max_new_tokens,
+                temperature=opts.temperature,
                 seed=opts.seed,
                 latency_s=opts.rollout_latency,
             )
@@ -239,7 +292,16 @@ class Cluster:
     def reset(self, opts: Options, url: str | None) -> None:
         """Fresh models from ``opts.seed``, the rollout's seed, and the data plane at ``url`` (or none)."""
         same: tuple[str, ...] = ("model", "dp", "tp", "prompts_per_step", "group_size", "max_new_tokens", "vocab_size")
-        same += ("target_len", "max_tokens_per_microbatch", "rollout_actors", "rollout_latency", "device")
+        same += (
+            "target_len",
+            "max_tokens_per_microbatch",
+            "rollout_actors",
+            "rollout_latency",
+            "device",
+            "worker",
+            "pp",
+        )
+        same += ("task_name", "engine", "tokenizer", "max_operand", "temperature", "eval_prompts")
         if any(getattr(opts, k) != getattr(self.opts, k) for k in same):
             raise InvalidArgument(f"a cluster runs one shape; start another for different {same}")
         self.policy.build(opts.factories())
@@ -274,7 +336,7 @@ def start_ray(opts: Options) -> bool:
     started it); returns whether this call started it."""
     from dataplane.local_ray import init_local_ray
 
-    return init_local_ray(num_cpus=max(4, opts.dp * opts.tp + 2), log_to_driver=False, **opts.ray_resources())
+    return init_local_ray(num_cpus=max(4, opts.ranks + 2), log_to_driver=False, **opts.ray_resources())
 
 
 def _machine() -> dict[str, Any]:
@@ -301,66 +363,8 @@ def _value_digest(policy: Policy, opts: Options) -> dict[str, Any]:
     return {"value_param_sha256": digest.sha256, "value_param_norm": digest.norm}
 
 
-def _bar(done: int, total: int, width: int = 24) -> str:
-    filled = width * done // total
-    return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total}"
-
-
-def _line(s: dict[str, Any], total: int) -> str:
-    def num(x: Any, fmt: str) -> str:
-        return "-" if x is None else format(x, fmt)
-
-    if "value_loss" in s:  # PPO
-        middle = f"value loss {num(s['value_loss'], '.4f')}  explained var {num(s['explained_variance'], '+.3f')}"
-    else:
-        middle = f"dropped {s['dropped_groups']}/{s['groups']}"
-    if "staleness_max" in s:  # asynchronous
-        middle += (
-            f"  stale {s['staleness_max']}/{s['staleness_mean']:.2f}  buffer {s['buffer_occupancy']}  "
-            f"waits rollout {s['rollout_wait_seconds']:.2f} s train {s['train_wait_seconds']:.2f} s"
-        )
-    return (
-        f"step {s['step'] + 1:>3}/{total}  reward {s['reward_mean']:.3f}  kl {num(s['kl'], '.4f')}  "
-        f"loss {num(s['loss'], '+.4f')}  {middle}  {s['seconds']:.2f} s (data plane {s['data_plane_seconds']:.3f} s; "
-        f"per trainer: data {s['trainer_data_seconds']:.3f} s, compute {s['trainer_compute_seconds']:.3f} s)"
-    )
-
-
-class _Progress:
-    """Step lines to ``out``; a progress bar on stderr when it is a terminal; the step logs
-    (``--log-dir``, ``--tensorboard``: :class:`~integrations.rl.step_log.StepLogger`)."""
-
-    def __init__(self, opts: Options, out: Any) -> None:
-        self.opts, self.out, self.done_steps = opts, out, 0
-        self.tty = opts.progress and sys.stderr.isatty()
-        where = opts.tensorboard or opts.log_dir
-        self.logger = None if where is None else StepLogger(where, tensorboard=opts.tensorboard is not None)
-
-    def step(self, summary: dict[str, Any]) -> None:
-        self.done_steps += 1
-        if self.logger is not None:
-            self.logger.log(summary)
-        if not self.opts.progress:
-            return
-        if self.tty:
-            sys.stderr.write("\r\033[K")
-        print(_line(summary, self.opts.steps), file=self.out, flush=True)
-        if self.tty:
-            sys.stderr.write(_bar(self.done_steps, self.opts.steps))
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.logger is not None:
-            self.logger.close()
-
-    def done(self) -> None:
-        self.close()
-        if self.tty:
-            sys.stderr.write("\r\033[K")
-
-
 def _run_async(
-    opts: Options, cluster: Cluster, url: str, on_step: Callable[[Any, Any], None] | None, progress: _Progress
+    opts: Options, cluster: Cluster, url: str, on_step: Callable[[Any, Any], None] | None, progress: Progress
 ) -> tuple[float, list[dict[str, Any]], dict[str, Any]]:
     """The asynchronous run: a controller actor (:class:`~integrations.rl.controller.AsyncGRPO`) over
     the cluster's actors; this driver only asks it for one step at a time."""
@@ -404,8 +408,15 @@ def _run_async(
     return t_ready, steps, extra
 
 
+def evaluate(cluster: Cluster, opts: Options) -> dict[str, float]:
+    """Greedy decoding of ``opts.eval_prompts`` held-out prompts by the rollout actor with its current
+    weights (:meth:`~integrations.rl.rollout_actor.RolloutActor.evaluate`)."""
+    ref = cluster.rollout.evaluate.remote(opts.eval_prompts)
+    return gather([ref], timeout_s=300, what="evaluate", names=["rollout"])[0]  # type: ignore[no-any-return]
+
+
 def _run_sync(
-    opts: Options, cluster: Cluster, client: DataPlaneClient | None, on_step: Any, progress: _Progress, out: Any
+    opts: Options, cluster: Cluster, client: DataPlaneClient | None, on_step: Any, progress: Progress, out: Any
 ) -> tuple[float, list[dict[str, Any]], dict[str, Any], SyncLoop]:
     """The synchronous steps, with checkpoints (``--checkpoint-dir``), ``--resume`` and up to
     ``--max-restarts`` restarts of the actors after one died: from the latest checkpoint (or from the
@@ -418,15 +429,21 @@ def _run_sync(
     restarts: list[dict[str, Any]] = []
     saved: list[dict[str, Any]] = []  # each checkpoint's step, seconds and bytes
     t_ready = time.perf_counter()
+    first_eval: dict[str, Any] = {}
     while True:
         loop = opts.loop(cluster.policy, cluster.rollout, client)
         try:
             loop.sync_weights()
+            if opts.eval_every and not steps and not first_eval:  # the start of the curve
+                first_eval = evaluate(cluster, opts)
+                print(f"held-out accuracy before training {first_eval['eval_accuracy']:.3f}", file=out, flush=True)
             for step in range(len(steps), opts.steps):
                 record = loop.step(step)
                 if on_step is not None:
                     on_step(record, loop)
                 steps.append(record.summary())
+                if opts.eval_every and ((step + 1) % opts.eval_every == 0 or step + 1 == opts.steps):
+                    steps[-1].update(evaluate(cluster, opts))
                 progress.step(steps[-1])
                 if ckpt is not None and ((step + 1) % opts.checkpoint_every == 0 or step + 1 == opts.steps):
                     t0 = time.perf_counter()
@@ -434,6 +451,8 @@ def _run_sync(
                     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
                     saved.append({"step": step, "seconds": time.perf_counter() - t0, "bytes": size})
             extra: dict[str, Any] = {"checkpoints": saved} if ckpt is not None else {}
+            if first_eval:
+                extra["eval_initial"] = first_eval
             return t_ready, steps, {**extra, "restarts": restarts} if restarts else extra, loop
         except ActorFailure as e:
             if len(restarts) >= opts.max_restarts:
@@ -481,7 +500,7 @@ def run(
     if client is not None and opts.transport == "inline":
         raise InvalidArgument("--transport inline uses no data plane; pass no client")
     own_cluster = cluster is None
-    progress: _Progress | None = None
+    progress: Progress | None = None
     try:
         if client is not None and not client.capabilities.cross_process:
             raise InvalidArgument(
@@ -495,7 +514,7 @@ def run(
             cluster.connect(url)
         else:
             cluster.reset(opts, url)
-        progress = _Progress(opts, out)
+        progress = Progress(opts, out)
         if opts.algorithm == "grpo_async":
             assert url is not None
             t_ready, steps, extra = _run_async(opts, cluster, url, on_step, progress)
