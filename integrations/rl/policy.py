@@ -1,12 +1,14 @@
 """The driver's handle on a group of trainer actors: shard once, fan out, collect, keep the caller's order.
 
 A :class:`Policy` wraps one :class:`~integrations.rl.trainer_actor.TrainerActor` per rank (Ray
-actors in one ``torch.distributed`` group, ranks laid out ``dp x tp``: rank ``r`` is DP rank
-``r // tp``). Every call
+actors in one ``torch.distributed`` group, ranks laid out ``dp x tp x pp`` the way Megatron orders
+them: rank ``r`` is DP rank ``(r // tp) % dp``; see :class:`~integrations.rl.workers.layout.RankLayout`).
+The workers are any :class:`~integrations.rl.workers.RLWorkerMixin` (FSDP2, Hugging Face, Megatron,
+your own), built from factories on every rank. Every call
 
 * splits the caller's meta with :func:`dataplane.preshard.shard_meta_for_dp` **once**, on the driver:
   balanced tokens, the same number of microbatches on every DP rank, one global pad length;
-* sends DP shard ``d`` to every rank of DP rank ``d`` (TP siblings get the same shard);
+* sends DP shard ``d`` to every rank of DP rank ``d`` (its TP and PP siblings get the same shard);
 * collects per-rank results with a timeout, keeps the replica leaders' (siblings' would be
   duplicates) and puts per-row results back into the caller's row order
   (:func:`dataplane.preshard.restore_order`).
@@ -40,8 +42,10 @@ from dataplane.checks import check_int, check_number
 from dataplane.preshard import restore_order, shard_meta_for_dp
 from integrations.rl.conventions import ADVANTAGES, INPUT_IDS, PREV_LOGPROBS, RETURNS, VALUES
 from integrations.rl.split_step import TrainStepError
-from integrations.rl.trainer_actor import ChunkReport, ParamDigest, TrainerActor, WorkerFactory
+from integrations.rl.trainer_actor import ChunkReport, ParamDigest, TrainerActor
 from integrations.rl.workers.base import RLWorkerMixin
+from integrations.rl.workers.build import WorkerFactory, check_factories
+from integrations.rl.workers.layout import RankLayout
 
 __all__ = ["ActorFailure", "ActorTimeout", "ChunkResult", "Policy", "TrainResult", "gather", "shard_tensors"]
 
@@ -172,11 +176,12 @@ class TrainResult:
 
 
 class Policy:
-    """A driver-side handle on ``dp * tp`` trainer actors; see the module docstring.
+    """A driver-side handle on ``dp * tp * pp`` trainer actors; see the module docstring.
 
     Args:
         actors: one :class:`~integrations.rl.trainer_actor.TrainerActor` handle per rank, in rank order.
-        dp, tp: the layout (``len(actors) == dp * tp``; rank ``r`` is DP rank ``r // tp``).
+        dp, tp, pp: the layout (``len(actors) == dp * tp * pp``; rank ``r`` is DP rank ``(r // tp) % dp``,
+            and DP rank ``d``'s leader, which writes back, is rank ``d * tp``).
         timeout_s: the most any call waits for the group.
         max_tokens_per_microbatch: token budget of each planned microbatch (None: the whole shard at
             once); the plan travels in the shards, so every DP rank runs the same number.
@@ -189,17 +194,19 @@ class Policy:
         *,
         dp: int,
         tp: int = 1,
+        pp: int = 1,
         timeout_s: float = 300.0,
         max_tokens_per_microbatch: int | None = None,
         equal_rows: bool = False,
     ) -> None:
-        for name, value in (("dp", dp), ("tp", tp)):
+        for name, value in (("dp", dp), ("tp", tp), ("pp", pp)):
             check_int(name, value, low=1)
-        if len(actors) != dp * tp:
-            raise InvalidArgument(f"{len(actors)} actors for dp={dp} x tp={tp}; give one actor per rank")
+        self.layout = RankLayout(dp=dp, tp=tp, pp=pp)
+        if len(actors) != self.layout.world:
+            raise InvalidArgument(f"{len(actors)} actors for dp={dp} x tp={tp} x pp={pp}; give one actor per rank")
         check_number("timeout_s", timeout_s, low=0, low_open=True)
         self.actors = list(actors)
-        self.dp, self.tp = dp, tp
+        self.dp, self.tp, self.pp = dp, tp, pp
         self.timeout_s = float(timeout_s)
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         self.equal_rows = equal_rows
@@ -215,6 +222,7 @@ class Policy:
         *,
         dp: int,
         tp: int = 1,
+        pp: int = 1,
         url: str | None = None,
         num_cpus: float = 0.5,
         num_gpus: float = 0,
@@ -226,10 +234,16 @@ class Policy:
         pg_timeout_s: float = 300.0,
         **options: Any,
     ) -> Policy:
-        """Start ``dp * tp`` trainer actors, join them in one process group, build ``factories`` on each
-        (``{"policy": ..., "reference": ...}``, picklable callables) and connect them to ``url``.
+        """Start ``dp * tp * pp`` trainer actors, join them in one process group, build ``factories`` on each
+        (``{"policy": ..., "reference": ...}``, picklable callables building an
+        :class:`~integrations.rl.workers.RLWorkerMixin`) and connect them to ``url``.
+
+        A factory whose class is known here (a class, a ``functools.partial`` of one) and is not a worker
+        is refused before any actor starts (:class:`~dataplane.InvalidArgument`; see
+        :mod:`integrations.rl.workers.build`).
 
         Args:
+            dp, tp, pp: the layout (see :class:`Policy`); Megatron workers get their groups from it.
             num_cpus, num_gpus, runtime_env: each actor's Ray resources and environment (on GPUs:
                 ``num_gpus=1``, ``backend="nccl"``, factories building on ``"cuda"``).
             threads: torch threads per actor.
@@ -240,16 +254,17 @@ class Policy:
         """
         import ray
 
-        world = dp * tp
+        check_factories(factories)
+        world = RankLayout(dp=dp, tp=tp, pp=pp).world
         remote_cls = ray.remote(TrainerActor)
         opts: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
         if runtime_env is not None:
             opts["runtime_env"] = dict(runtime_env)
         actors = [
-            remote_cls.options(**opts).remote(r, world, threads=threads, deterministic=deterministic)
+            remote_cls.options(**opts).remote(r, world, tp=tp, pp=pp, threads=threads, deterministic=deterministic)
             for r in range(world)
         ]
-        policy = cls(actors, dp=dp, tp=tp, timeout_s=timeout_s, **options)
+        policy = cls(actors, dp=dp, tp=tp, pp=pp, timeout_s=timeout_s, **options)
         first = actors[0]
         try:
             address, port = policy._gather(
@@ -261,17 +276,23 @@ class Policy:
                 f"{e}. An actor that never starts usually waits for resources: {world} actors x num_cpus={num_cpus}"
                 f" (num_gpus={num_gpus}) must fit Ray's free resources ({ray.available_resources()})"  # type: ignore[no-untyped-call]
             ) from e
-        policy._all(
-            "init_process_group",
-            lambda r, a: a.init_process_group.remote(address, port, backend=backend, timeout_s=pg_timeout_s),
-        )
-        policy.build(factories)
-        if url is not None:
-            policy.connect(url)
+        try:
+            policy._all(
+                "init_process_group",
+                lambda r, a: a.init_process_group.remote(address, port, backend=backend, timeout_s=pg_timeout_s),
+            )
+            policy.build(factories)
+            if url is not None:
+                policy.connect(url)
+        except BaseException as e:  # a group that did not come up is of no use: stop its actors
+            policy.shutdown(f"spawn failed: {type(e).__name__}")
+            raise
         return policy
 
     def build(self, factories: Mapping[str, WorkerFactory]) -> None:
-        """(Re)build every rank's workers from ``factories``: fresh weights, optimizer state, version 0."""
+        """(Re)build every rank's workers from ``factories``: fresh weights, optimizer state, version 0
+        (the parallel state the old workers needed is torn down and set up again)."""
+        check_factories(factories)
         if self._open:
             raise TrainStepError(
                 f"build() with train steps of {sorted(self._open)} open; finish() or abort() them first"
@@ -334,8 +355,12 @@ class Policy:
             raise InvalidArgument(f"data lacks fields {missing}; it has {sorted(data.keys())}")
         return [ray.put(shard_tensors(data, s, fields)) for s in shards]
 
+    def _dp(self, rank: int) -> int:
+        """The DP rank of ``rank`` (which shard it gets)."""
+        return self.layout.dp_rank(rank)
+
     def _leaders(self, per_rank: list[Any]) -> list[Any]:
-        return [per_rank[d * self.tp] for d in range(self.dp)]
+        return [per_rank[r] for r in self.layout.leaders()]
 
     # -- calls -----------------------------------------------------------------------------------------
     def logprobs(
@@ -374,7 +399,7 @@ class Policy:
         out = self._leaders(
             self._all(
                 f"{kind}({model})",
-                lambda r, a: getattr(a, kind).remote(model, shards[r // self.tp], out_field, payloads[r // self.tp]),
+                lambda r, a: getattr(a, kind).remote(model, shards[self._dp(r)], out_field, payloads[self._dp(r)]),
             )
         )
         if data is not None:
@@ -392,7 +417,7 @@ class Policy:
         shards = self.shard(meta)
         out = self._leaders(
             self._all(
-                f"sequence_gae({model})", lambda r, a: a.sequence_gae.remote(shards[r // self.tp], gamma, lam, model)
+                f"sequence_gae({model})", lambda r, a: a.sequence_gae.remote(shards[self._dp(r)], gamma, lam, model)
             )
         )
         _check_written("sequence_gae", [written for written, _ in out], shards)
@@ -411,7 +436,7 @@ class Policy:
         shards = self.shard(meta)
         payloads = self._payloads(data, shards, RLWorkerMixin.train_fields(loss_fn))
         out = self._all(
-            f"train({model})", lambda r, a: a.train.remote(shards[r // self.tp], loss_fn, payloads[r // self.tp], model)
+            f"train({model})", lambda r, a: a.train.remote(shards[self._dp(r)], loss_fn, payloads[self._dp(r)], model)
         )
         self.versions[model] = self.versions.get(model, 0) + 1
         leaders = self._leaders(out)
@@ -434,7 +459,7 @@ class Policy:
         payloads = self._payloads(data, shards, RLWorkerMixin.train_fields(loss_fn))
         out = self._all(
             f"train_chunk({model})",
-            lambda r, a: a.train_chunk.remote(shards[r // self.tp], payloads[r // self.tp], model),
+            lambda r, a: a.train_chunk.remote(shards[self._dp(r)], payloads[self._dp(r)], model),
         )
         return ChunkResult(shards, self._leaders(out))
 

@@ -2,9 +2,11 @@
 
 :class:`TrainerActor` is a plain class; :class:`~integrations.rl.policy.Policy` makes it a Ray actor
 (one per rank, ``ray.remote(TrainerActor)``) and drives the group. Each actor joins one
-``torch.distributed`` group with its peers, builds its models from picklable factories (the
-reference worker for the tiny model, or your own :class:`~integrations.rl.workers.DTensorRLWorkerMixin`
-host), and exposes, per model name (``"policy"``, ``"reference"``, ``"value"``, ...):
+``torch.distributed`` group with its peers, builds its models from picklable factories of any
+:class:`~integrations.rl.workers.RLWorkerMixin` (the tiny FSDP2 worker, the Hugging Face worker, a
+Megatron worker, or your own; see :mod:`integrations.rl.workers.build`), after setting up once what
+their class needs on the group's ``dp x tp x pp`` layout (Megatron's ``parallel_state``; torn down
+before a rebuild), and exposes, per model name (``"policy"``, ``"reference"``, ``"value"``, ...):
 
 * ``logprobs(model, shard, out_field, data=None)`` and ``values(...)``: the shard's token-aligned
   logprobs or values, written back from the replica leader (``data is None``: read from the data
@@ -14,8 +16,8 @@ host), and exposes, per model name (``"policy"``, ``"reference"``, ``"value"``, 
 * the split step: ``begin(loss_fn, model)``, ``train_chunk(shard, data, model)``, ``finish(model)``,
   ``abort(model)``, and ``train(shard, loss_fn, data, model)`` for all of it in one call.
   ``version(model)`` is the number of finished steps: it moves on ``finish`` only, never on ``abort``;
-* ``state_dict_ref(model)`` (a collective; rank 0 returns an object ref of the whole parameters) and
-  ``param_digest(model)``;
+* ``state_dict_ref(model)`` (a collective; rank 0 returns an object ref of the whole parameters under
+  the rollout model's names: the worker's ``export_weights()``) and ``param_digest(model)``;
 * ``traffic()``: this process's data-plane totals, and where its step calls spent their time
   (:class:`StepClock`): moving data (reads and write-backs through the data plane, or the rows shipped
   with a call copied to the compute device) against the rest (forward, backward, optimizer, the
@@ -52,11 +54,20 @@ from integrations.rl.advantages import sequence_gae, value_fit_sums
 from integrations.rl.conventions import ADVANTAGES, INPUT_IDS, LOSS_MASK, PREV_LOGPROBS, RETURNS, REWARD, VALUES
 from integrations.rl.metering import TrafficMeter
 from integrations.rl.split_step import TrainStepError
-from integrations.rl.workers.dtensor import DTensorRLWorkerMixin, full_parameters
+from integrations.rl.workers.base import RLWorkerMixin
+from integrations.rl.workers.build import ParallelStates, WorkerFactory, check_factories, check_worker
+from integrations.rl.workers.layout import RankLayout
 
-__all__ = ["ChunkReport", "ParamDigest", "StepClock", "TrainerActor", "param_digest", "row_fingerprint"]
+__all__ = [
+    "ChunkReport",
+    "ParamDigest",
+    "StepClock",
+    "TrainerActor",
+    "WorkerFactory",
+    "param_digest",
+    "row_fingerprint",
+]
 
-WorkerFactory = Callable[[], DTensorRLWorkerMixin]
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
@@ -204,6 +215,9 @@ class TrainerActor:
 
     Args:
         rank, world: this rank and the group size.
+        tp, pp: the group's tensor- and pipeline-parallel sizes (DP = world / (tp * pp); the layout is
+            :class:`~integrations.rl.workers.layout.RankLayout`'s): what a worker class's
+            ``setup_parallel_state`` gets (Megatron's groups); FSDP2 workers take their TP from their factory.
         threads: torch intra-op threads (1 suits many ranks per host; more for one rank per host).
         deterministic: use deterministic kernels where torch has them
             (``torch.use_deterministic_algorithms(True, warn_only=True)``, uninitialised memory left as
@@ -212,9 +226,12 @@ class TrainerActor:
             CUDA work of the process.
     """
 
-    def __init__(self, rank: int, world: int, *, threads: int = 1, deterministic: bool = False) -> None:
+    def __init__(
+        self, rank: int, world: int, *, tp: int = 1, pp: int = 1, threads: int = 1, deterministic: bool = False
+    ) -> None:
         check_int("rank", rank, low=0, high=world - 1, allow_numpy=True)
         self.rank, self.world = rank, world
+        self.layout = RankLayout.for_world(world, tp=tp, pp=pp)
         torch.set_num_threads(threads)
         if deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
@@ -222,7 +239,8 @@ class TrainerActor:
             torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
         # Gathering TP x FSDP parameters for a weight sync takes two all-gathers, and torch warns each time.
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-        self.workers: dict[str, DTensorRLWorkerMixin] = {}
+        self.workers: dict[str, RLWorkerMixin] = {}
+        self.parallel_states = ParallelStates()
         self.meter = TrafficMeter()
         self.clock = StepClock()
         self._client: Any = None
@@ -270,11 +288,15 @@ class TrainerActor:
         return 0 if count == 1 else self.rank % count
 
     def describe(self) -> dict[str, Any]:
-        """This rank: its process-group backend, the policy's compute device and, on CUDA, the GPU."""
+        """This rank: its process-group backend, layout, workers (their classes) and parallel states set
+        up, the policy's compute device and, on CUDA, the GPU."""
         out: dict[str, Any] = {
             "rank": self.rank,
             "pid": os.getpid(),
             "backend": str(dist.get_backend()) if dist.is_initialized() else None,
+            "layout": self.layout.to_dict(),
+            "workers": {name: type(w).__name__ for name, w in self.workers.items()},
+            "parallel_states": self.parallel_states.classes,
             "device": str(self.workers["policy"].compute_device()) if "policy" in self.workers else None,
         }
         if out["device"] is not None and out["device"].startswith("cuda"):
@@ -286,18 +308,23 @@ class TrainerActor:
     def build(self, factories: Mapping[str, WorkerFactory]) -> None:
         """(Re)build the named workers (a collective): ``{"policy": factory, "reference": factory}``.
 
-        Every rank passes the same factories (the same seeds), so all start from the same weights.
-        A rebuilt worker starts at version 0 with fresh optimizer state, and the rank's traffic and
-        step-call totals (:meth:`traffic`) start over: a run on a rebuilt cluster reports its own.
+        Each factory builds an :class:`~integrations.rl.workers.RLWorkerMixin` (anything else:
+        :class:`~dataplane.InvalidArgument`, before any model is built where the factory tells its class).
+        The old workers are dropped and the parallel state they needed torn down; then each worker
+        class's ``setup_parallel_state`` runs once with this group's layout (Megatron's
+        ``parallel_state``), then the factories. Every rank passes the same factories (the same seeds),
+        so all start from the same weights. A rebuilt worker starts at version 0 with fresh optimizer
+        state, and the rank's traffic and step-call totals (:meth:`traffic`) start over: a run on a
+        rebuilt cluster reports its own.
         """
-        if "policy" not in factories:
-            raise InvalidArgument(f"factories need a 'policy' worker, got {sorted(factories)}")
-        self.workers = {}
+        classes = check_factories(factories)
+        for worker in self.workers.values():
+            worker.close_data_plane()
+        self.workers, self._losses = {}, {}
+        self.parallel_states.teardown()
+        self.parallel_states.setup(list(classes.values()), self.layout)
         for name, factory in factories.items():
-            worker = factory()
-            if not isinstance(worker, DTensorRLWorkerMixin):
-                raise InvalidArgument(f"factory {name!r} built a {type(worker).__name__}, not a DTensorRLWorkerMixin")
-            self.workers[name] = worker
+            self.workers[name] = check_worker(name, factory())
         for worker in self.workers.values():
             self._time_data_movement(worker)
         self.clock.cuda = any(w.compute_device().type == "cuda" for w in self.workers.values())
@@ -305,7 +332,7 @@ class TrainerActor:
         self.meter.reset()
         self._attach()
 
-    def _time_data_movement(self, worker: DTensorRLWorkerMixin) -> None:
+    def _time_data_movement(self, worker: RLWorkerMixin) -> None:
         """Count the worker's reads (``fetch_agreed``: the read, a replica group's broadcast, the copy to the
         device, the agreement) and write-backs in :attr:`clock` as data time: the instance's own methods
         are wrapped, so its inner calls (``get_logprobs_presharded`` fetches and writes back) count too."""
@@ -333,13 +360,13 @@ class TrainerActor:
         self.connect(None)
 
     # -- work ------------------------------------------------------------------------------------
-    def _worker(self, model: str) -> DTensorRLWorkerMixin:
+    def _worker(self, model: str) -> RLWorkerMixin:
         try:
             return self.workers[model]
         except KeyError:
             raise InvalidArgument(f"no worker {model!r} here (built: {sorted(self.workers)}); build() it") from None
 
-    def _local(self, worker: DTensorRLWorkerMixin, data: TensorDictBase) -> TensorDictBase:
+    def _local(self, worker: RLWorkerMixin, data: TensorDictBase) -> TensorDictBase:
         with self.clock.data():  # rows shipped with the call (or already fetched there): to the compute device
             return data.to(worker.compute_device())
 
@@ -459,12 +486,13 @@ class TrainerActor:
         return int(self._worker(model).weight_version)
 
     def state_dict_ref(self, model: str = "policy") -> Any:
-        """Whole parameters on the CPU (a collective): rank 0 puts them in Ray's object store and returns
-        the ref (a weight sync hands it to the rollout actor; the driver never holds the tensors), the
-        others None."""
+        """Whole parameters on the CPU under the rollout model's names (a collective: the worker's
+        ``export_weights()``, which gathers TP / FSDP / PP shards): rank 0 puts them in Ray's object store
+        and returns the ref (a weight sync hands it to the rollout actor; the driver never holds the
+        tensors), the others None."""
         import ray
 
-        params = full_parameters(self._worker(model).model)
+        params = self._worker(model).export_weights()
         return ray.put(params) if self.rank == 0 else None
 
     def save_state(self, path: str) -> None:
@@ -484,8 +512,9 @@ class TrainerActor:
         return {name: int(w.weight_version) for name, w in self.workers.items()}
 
     def param_digest(self, model: str = "policy") -> ParamDigest:
-        """:func:`param_digest` of the whole parameters (a collective; the same on every rank)."""
-        return param_digest(full_parameters(self._worker(model).model))
+        """:func:`param_digest` of the whole parameters as :meth:`state_dict_ref` sends them (a collective;
+        the same on every rank)."""
+        return param_digest(self._worker(model).export_weights())
 
     def traffic(self) -> dict[str, float]:
         """This process's data-plane totals (:meth:`~integrations.rl.metering.TrafficMeter.totals`) and its

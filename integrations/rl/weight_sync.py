@@ -3,7 +3,14 @@
 A :class:`WeightSync` is any object with ``push(policy, rollout, version)``. The default,
 :class:`ObjectStoreWeightSync`, has rank 0 gather the whole parameters into Ray's object store and
 the rollout actor load them from there (the driver passes a ref and never holds the tensors): right
-for small models and for tests. A user with a large model plugs in a sync over NCCL (a process group
+for small models and for tests.
+
+What is sent is each trainer worker's
+:meth:`~integrations.rl.workers.base.RLWorkerMixin.export_weights`: whole parameters under the names
+the rollout model loads. An FSDP2 / DTensor worker gathers its shards and keeps its model's names; a
+Megatron worker gathers its tensor-parallel shards and pipeline stages and renames them through its
+``rollout_names`` (:mod:`integrations.rl.workers.megatron_weights`: Megatron's fused QKV split into
+q, k, v, a padded vocabulary cut), so a Megatron policy syncs into a rollout model of another layout. A user with a large model plugs in a sync over NCCL (a process group
 between the trainers and the inference engine) or the engine's own weight-update API::
 
     class EngineSync:

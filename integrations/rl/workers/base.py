@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,9 @@ from integrations.rl.conventions import (
     token_logprobs,
 )
 from integrations.rl.split_step import SplitTrainStepMixin, with_token_share
+
+if TYPE_CHECKING:
+    from integrations.rl.workers.layout import RankLayout
 
 __all__ = ["RLWorkerMixin", "eval_mode", "token_counts"]
 
@@ -132,6 +135,33 @@ class RLWorkerMixin(SplitTrainStepMixin, DataPlaneWorkerMixin):
         """Token-aligned values ``[B, T]``: ``V(s_t)``, predicted before token t (position 0 holds 0)."""
         out = self.value_predictions(input_ids)
         return shift_to_tokens(out) if self.value_shift else out
+
+    # -- what a trainer actor needs besides the calls --------------------------------------------
+    @classmethod
+    def setup_parallel_state(cls, layout: RankLayout) -> None:
+        """Set up on this rank the process groups this worker class's models need, before any is built.
+
+        :class:`~integrations.rl.trainer_actor.TrainerActor` calls it once per build (once per
+        distinct hook, however many models use it), after ``init_process_group``, with the group's
+        layout. The default does nothing: an FSDP2 worker builds its own device mesh. The Megatron
+        mixin initialises ``parallel_state`` with the layout's TP and PP.
+        """
+
+    @classmethod
+    def teardown_parallel_state(cls) -> None:
+        """Undo :meth:`setup_parallel_state`; the actor calls it before a rebuild, after dropping the old models."""
+
+    def export_weights(self) -> dict[str, Tensor]:
+        """Every parameter whole, detached, on the CPU, under the name the rollout model loads it by.
+
+        A collective: every rank of the model calls it, and every rank gets the same dict. A weight sync
+        sends it (:meth:`~integrations.rl.trainer_actor.TrainerActor.state_dict_ref`) and a parameter
+        digest hashes it. The default gathers DTensors
+        (:func:`~integrations.rl.workers.dtensor.full_parameters`) and keeps the model's own names.
+        """
+        from integrations.rl.workers.dtensor import full_parameters
+
+        return full_parameters(self.model)
 
     # -- split-step hooks ------------------------------------------------------------------------
     def loss_inputs(self, batch: Any, loss_fn: Any) -> Tensor:

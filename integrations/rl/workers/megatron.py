@@ -3,11 +3,22 @@
 Mix :class:`MegatronRLWorkerMixin` into your Megatron training worker (one process per GPU)::
 
     class PolicyWorker(MegatronRLWorkerMixin):
+        rollout_names = NameMap(table=MY_TABLE)   # Megatron names -> the rollout engine's (megatron_weights)
+
         def __init__(self):
-            parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+            # parallel_state is set up already: by the Ray trainer actor (setup_parallel_state, from the
+            # group's layout), or by you: parallel_state.initialize_model_parallel(tp, pp)
             self.model = DistributedDataParallel(config=cfg, ddp_config=ddp_cfg, module=gpt)  # one chunk
             self.optimizer = get_megatron_optimizer(OptimizerConfig(...), [self.model])
-            self.setup_data_plane(url)            # every rank
+            self.setup_data_plane(url)            # every rank (the trainer actor does it for you)
+
+Inside the Ray trainer actors (:class:`~integrations.rl.trainer_actor.TrainerActor`, driven by
+:class:`~integrations.rl.policy.Policy`), :meth:`MegatronRLWorkerMixin.setup_parallel_state` initialises
+``parallel_state`` once per build with the group's ``tp`` and ``pp`` (DP is what is left), before any
+factory runs, and :meth:`~MegatronRLWorkerMixin.teardown_parallel_state` destroys it before a rebuild;
+:meth:`~MegatronRLWorkerMixin.export_weights` gathers the TP / PP shards into whole parameters named
+for the rollout model (:mod:`integrations.rl.workers.megatron_weights`), which is what a weight sync
+sends. The tiny reference model and its worker are :mod:`integrations.rl.workers.megatron_tiny`.
 
 The calls are the FSDP2 worker's (:class:`~integrations.rl.workers.base.RLWorkerMixin`):
 ``train_presharded``, ``get_logprobs_presharded``, ``get_values_presharded`` and the split step
@@ -57,14 +68,40 @@ from dataplane.worker.collective import comm_device
 from integrations.rl.conventions import INPUT_IDS, shift_to_tokens
 from integrations.rl.split_step import OpenStep, aggregate_metrics
 from integrations.rl.workers.base import RLWorkerMixin, eval_mode
+from integrations.rl.workers.layout import RankLayout
+from integrations.rl.workers.megatron_weights import NameMap, gather_megatron_parameters
 
-__all__ = ["MegatronRLWorkerMixin", "TinyMegatronWorker", "megatron_token_logprobs", "tiny_megatron_gpt"]
+__all__ = ["MegatronRLWorkerMixin", "megatron_token_logprobs", "require_megatron"]
 
 _HOOKS = ("grad_sync_func", "no_sync_func", "finalize_model_grads_func")
 
 
 def _null_no_sync() -> contextlib.AbstractContextManager[None]:
     return contextlib.nullcontext()
+
+
+def require_megatron() -> Any:
+    """``megatron.core.parallel_state``, or :class:`~dataplane.InvalidArgument` saying what is missing:
+    megatron-core (``pip install 'dataplane[megatron]'``, Python >= 3.12) or a CUDA device."""
+    import importlib.util
+    import os
+    import sys
+
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        raise InvalidArgument(
+            "the Megatron worker needs megatron-core, which this Python "
+            f"({sys.version_info.major}.{sys.version_info.minor}) does not have: pip install 'dataplane[megatron]' "
+            "(Python >= 3.12, CUDA), or use the FSDP2 worker"
+        )
+    if not torch.cuda.is_available():
+        raise InvalidArgument(
+            "the Megatron worker trains on CUDA GPUs only, and this process sees none "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): run it on a GPU "
+            "(--device cuda: each trainer rank gets one), or use the FSDP2 worker on the CPU"
+        )
+    from megatron.core import parallel_state
+
+    return parallel_state
 
 
 def megatron_token_logprobs(logits: Tensor, input_ids: Tensor, *, temperature: float = 1.0) -> Tensor:
@@ -105,15 +142,60 @@ class MegatronRLWorkerMixin(RLWorkerMixin):
     Attributes:
         lr_scheduler_increment: what a Megatron scheduler's ``step(increment=...)`` gets per finished
             step (it counts samples: give it the global batch size).
+        rollout_names: how :meth:`export_weights` names the whole parameters for the rollout model
+            (a :class:`~integrations.rl.workers.megatron_weights.NameMap`); None keeps Megatron's own
+            names (as a TP = PP = 1 model has them, without the DDP wrapper's ``module.``).
     """
 
     model: Any  # Megatron's DistributedDataParallel
     optimizer: Any  # a MegatronOptimizer
     lr_scheduler_increment: int = 1
+    rollout_names: NameMap | None = None
     _saved_hooks: dict[str, Any] | None = None
     _microbatch_error: BaseException | None = None
 
     # -- parallel state ---------------------------------------------------------------------------
+    @classmethod
+    def setup_parallel_state(cls, layout: RankLayout) -> None:
+        """Initialise Megatron's ``parallel_state`` on this rank: TP and PP from ``layout``, DP the rest,
+        in Megatron's default rank order (which is the layout's). A state already initialised with the
+        same sizes is kept; other sizes are refused (destroy it first). Every rank calls it together
+        (it creates process groups), after ``init_process_group``."""
+        ps = require_megatron()
+        if not dist.is_initialized():
+            raise InvalidArgument("initialise torch.distributed (init_process_group) on every rank first")
+        if layout.world != dist.get_world_size():
+            raise InvalidArgument(
+                f"the layout dp={layout.dp} x tp={layout.tp} x pp={layout.pp} has {layout.world} ranks, the "
+                f"process group {dist.get_world_size()}: give the trainer group one rank per GPU of the layout"
+            )
+        if ps.model_parallel_is_initialized():
+            have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
+            if have == (layout.tp, layout.pp):
+                return
+            raise InvalidArgument(
+                f"Megatron's parallel state is already tp={have[0]}, pp={have[1]}, not tp={layout.tp}, "
+                f"pp={layout.pp}: call parallel_state.destroy_model_parallel() first"
+            )
+        ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp)
+        rank = dist.get_rank()
+        got = (ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank(), ps.get_pipeline_model_parallel_rank())
+        want = (layout.tp_rank(rank), layout.dp_rank(rank), layout.pp_rank(rank))
+        if got != want:  # the driver shards by the layout: a rank in another place would train other rows
+            ps.destroy_model_parallel()
+            raise InvalidArgument(
+                f"rank {rank}: Megatron placed it at (tp, dp, pp) = {got}, the layout at {want}; "
+                "use Megatron's default order (tp-cp-ep-dp-pp)"
+            )
+
+    @classmethod
+    def teardown_parallel_state(cls) -> None:
+        """Destroy Megatron's ``parallel_state`` (its groups are dropped; a later set-up makes new ones)."""
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+
     @staticmethod
     def _ps() -> Any:
         from megatron.core import parallel_state
@@ -126,6 +208,22 @@ class MegatronRLWorkerMixin(RLWorkerMixin):
         if parallel_state.get_context_parallel_world_size() != 1:
             raise InvalidArgument("MegatronRLWorkerMixin supports context_parallel_size=1 only")
         return parallel_state
+
+    def export_weights(self) -> dict[str, Tensor]:
+        """Whole parameters on the CPU named for the rollout model (a collective on every rank of the model):
+        :func:`~integrations.rl.workers.megatron_weights.gather_megatron_parameters`, then
+        :attr:`rollout_names`."""
+        whole = gather_megatron_parameters(self.model)
+        if self.rollout_names is None:
+            return whole
+        cfg = self.megatron_config()
+        heads = int(cfg.num_attention_heads)
+        return self.rollout_names.apply(
+            whole,
+            heads=heads,
+            groups=int(cfg.num_query_groups or heads),
+            head_dim=int(cfg.kv_channels or cfg.hidden_size // heads),
+        )
 
     def compute_device(self) -> torch.device:
         """The current CUDA device (Megatron trains on GPUs only)."""
@@ -375,155 +473,10 @@ class MegatronRLWorkerMixin(RLWorkerMixin):
             setattr(config, name, value)
 
 
-# -- the tiny reference model ----------------------------------------------------------------------
-class _ValueHead(torch.nn.Module):
-    """A ``hidden -> 1`` head in place of a GPT's output layer (replicated over TP: its input is whole)."""
+def __getattr__(name: str) -> Any:
+    """The tiny reference model and its worker live in :mod:`integrations.rl.workers.megatron_tiny`."""
+    if name in ("TinyMegatronWorker", "tiny_megatron_gpt"):
+        from integrations.rl.workers import megatron_tiny
 
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.linear = torch.nn.Linear(hidden, 1)
-
-    def forward(self, hidden_states: Tensor, weight: Tensor | None = None, **_: Any) -> tuple[Tensor, None]:
-        return self.linear(hidden_states), None
-
-
-def tiny_megatron_gpt(
-    config: Any = None,
-    *,
-    seed: int = 0,
-    calculate_per_token_loss: bool = True,
-    overlap_grad_reduce: bool = False,
-    optimizer: str = "sgd",
-    lr: float = 1e-2,
-    clip_grad: float = 1.0e9,
-) -> tuple[Any, Any]:
-    """A tiny Megatron GPT (local layer spec, no Transformer Engine, fp32) wrapped in Megatron's DDP,
-    and its Megatron optimizer, for tests and examples. Call it on every rank after
-    ``parallel_state.initialize_model_parallel``.
-
-    Weights are initialised on the CPU from ``seed`` (``use_cpu_initialization``), so the whole model
-    is the same for every TP size: a TP = 2 model and a single-GPU one compute the same function. A
-    later pipeline stage draws its layers' weights in another order (it builds no embedding), so
-    across PP sizes load one model's weights into the other to compare them.
-
-    Args:
-        config: a :class:`~integrations.rl.workers.model.TinyConfig` (``head="value"``: a ``[B, T, 1]``
-            value head replaces the output layer).
-        calculate_per_token_loss: Megatron's flag (whether its DDP sums or averages over DP).
-        overlap_grad_reduce: Megatron DDP's flag (gradient reduction dispatched from backward hooks).
-        optimizer: ``"sgd"`` or ``"adam"``; ``lr``, ``clip_grad`` go to Megatron's ``OptimizerConfig``.
-
-    Returns:
-        ``(model, optimizer)``: the DDP-wrapped model on the current CUDA device and its optimizer.
-    """
-    from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer import TransformerConfig
-
-    from integrations.rl.workers.model import TinyConfig
-
-    shape = config or TinyConfig()
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    if shape.n_layers % pp:
-        raise InvalidArgument(f"n_layers={shape.n_layers} must divide by the pipeline-parallel size {pp}")
-    tf = TransformerConfig(
-        num_layers=shape.n_layers,
-        hidden_size=shape.dim,
-        num_attention_heads=shape.n_heads,
-        ffn_hidden_size=4 * shape.dim,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        pipeline_dtype=torch.float32,
-        params_dtype=torch.float32,
-        use_cpu_initialization=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        masked_softmax_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        gradient_accumulation_fusion=False,
-        calculate_per_token_loss=calculate_per_token_loss,
-    )
-    torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
-    pre, post = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
-    gpt = GPTModel(
-        config=tf,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
-        vocab_size=shape.vocab_size,
-        max_sequence_length=shape.max_len,
-        pre_process=pre,
-        post_process=post,
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="learned_absolute",
-    )
-    if shape.head == "value" and post:
-        gpt.output_layer = _ValueHead(shape.dim)
-    gpt = gpt.cuda(torch.cuda.current_device())
-    ddp = DistributedDataParallel(
-        config=tf,
-        ddp_config=DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce, use_distributed_optimizer=False
-        ),
-        module=gpt,
-    )
-    opt = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer=optimizer,
-            lr=lr,
-            weight_decay=0.0,
-            clip_grad=clip_grad,
-            bf16=False,
-            fp16=False,
-            params_dtype=torch.float32,
-        ),
-        [ddp],
-    )
-    # What Megatron's training loop installs: the schedule's hooks (the split step takes them over).
-    tf.no_sync_func = ddp.no_sync
-    tf.grad_sync_func = ddp.start_grad_sync if overlap_grad_reduce else None
-    tf.finalize_model_grads_func = _finalize
-    return ddp, opt
-
-
-def _finalize(model: list[Any], num_tokens: Tensor | None, **kwargs: Any) -> None:
-    from megatron.core.distributed import finalize_model_grads
-
-    finalize_model_grads(model, num_tokens, **kwargs)
-
-
-class TinyMegatronWorker(MegatronRLWorkerMixin):
-    """A :func:`tiny_megatron_gpt` on every rank, with Megatron's parallel state set up if it is not yet.
-
-    Build it on every rank of an initialised NCCL process group (one GPU per rank, the current device
-    set); every rank passes the same arguments.
-
-    Args:
-        config: the model's shape (``head="value"`` for a critic).
-        tp, pp: tensor- and pipeline-parallel sizes (DP = world / (tp * pp)).
-        options: :func:`tiny_megatron_gpt`'s keyword arguments (``seed``, ``lr``, ``optimizer``, ...).
-    """
-
-    def __init__(self, config: Any = None, *, tp: int = 1, pp: int = 1, **options: Any) -> None:
-        from megatron.core import parallel_state
-
-        if not dist.is_initialized():
-            raise InvalidArgument("initialise torch.distributed (init_process_group) on every rank before the worker")
-        if parallel_state.model_parallel_is_initialized():
-            have = (
-                parallel_state.get_tensor_model_parallel_world_size(),
-                parallel_state.get_pipeline_model_parallel_world_size(),
-            )
-            if have != (tp, pp):
-                raise InvalidArgument(
-                    f"Megatron's parallel state is already tp={have[0]}, pp={have[1]}, not tp={tp}, pp={pp}; "
-                    "call parallel_state.destroy_model_parallel() first to change it"
-                )
-        else:
-            parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-        self.model, self.optimizer = tiny_megatron_gpt(config, **options)
+        return getattr(megatron_tiny, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -40,14 +40,14 @@ def test_device_defaults_to_cpu_and_adds_nothing_there(example: Any) -> None:
 
 def test_device_cuda_needs_a_gpu_per_trainer_rank(monkeypatch: Any, capsys: Any) -> None:
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    with pytest.raises(InvalidArgument, match=r"dp x tp = 2 x 1 = 2 trainer ranks.*sees 0 CUDA.*--device cpu"):
+    with pytest.raises(InvalidArgument, match=r"dp x tp x pp = 2 x 1 x 1 = 2 trainer ranks.*sees 0 CUDA.*--device cpu"):
         parse(grpo_tiny, "--device", "cuda")
     # the command line says so and exits 2 before starting anything
     assert grpo_tiny.main(["--device", "cuda", "--steps", "1"]) == 2
     assert "error: --device cuda puts each of the dp x tp" in capsys.readouterr().err
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
-    with pytest.raises(InvalidArgument, match=r"2 x 2 = 4 trainer ranks.*sees 3 CUDA.*dp x tp <= 3"):
+    with pytest.raises(InvalidArgument, match=r"2 x 2 x 1 = 4 trainer ranks.*sees 3 CUDA.*dp x tp x pp <= 3"):
         parse(grpo_tiny, "--device", "cuda", "--tp", "2")
     with pytest.raises(InvalidArgument, match="'cpu' or 'cuda'"):
         grpo_tiny.Options(device="gpu")  # type: ignore[arg-type]

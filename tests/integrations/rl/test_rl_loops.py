@@ -250,6 +250,25 @@ def test_memory_is_refused(cluster: grpo_tiny.Cluster) -> None:
     assert grpo_tiny.main(["--backend", "memory://", "--steps", "1"]) == 2
 
 
+def test_a_factory_that_builds_no_worker_is_refused_on_the_ranks_and_the_group_stopped(
+    cluster: grpo_tiny.Cluster,
+) -> None:
+    """The trainer actors take any RLWorkerMixin; a factory whose class the driver cannot tell (a lambda)
+    and that builds something else is refused on the ranks with the typed error, and the spawned
+    group's actors are stopped (their CPUs free again)."""
+    import ray
+
+    from integrations.rl.policy import Policy
+
+    free = ray.available_resources().get("CPU", 0.0)
+    with pytest.raises(dataplane.InvalidArgument, match=r"built a Linear, not an RLWorkerMixin.*MegatronRLWorkerMixin"):
+        Policy.spawn({"policy": lambda: torch.nn.Linear(2, 2)}, dp=2, num_cpus=0.25, timeout_s=120)
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0.0) < free and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0.0) >= free
+
+
 def test_rollout_actor_writes_keys_tags_and_token_aligned_fields() -> None:
     """The rollout class in this process (its Ray wrapper adds nothing): first_write's keys and tags,
     rewards that match the tokens, the same tokens for the same seed and weights."""

@@ -141,6 +141,7 @@ WITHOUT_EXAMPLES = {
     "integrations.rl.workers",
     "integrations.rl.workers.dtensor",
     "integrations.rl.workers.megatron",
+    "integrations.rl.workers.megatron_tiny",
     "integrations.rl.workers.tiny",
     "integrations.rl.examples",
     "integrations.rl.examples.common",
