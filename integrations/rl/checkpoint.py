@@ -17,7 +17,10 @@ Two halves:
 The synchronous loops need nothing else to resume bit for bit: the store holds nothing between
 steps (each step clears its partition), and every sample and shuffle is drawn from a generator seeded
 by ``(seed, step, ...)``, so the rollout actor needs only the weights (synced after loading) and the
-step number.
+step number. The asynchronous controller keeps rows between steps (its replay buffer's committed
+groups): :meth:`AsyncGRPO.checkpoint <integrations.rl.controller.AsyncGRPO.checkpoint>` drains the
+rollouts in flight and adds a core snapshot of those rows (``buffer/``) and the slot table to the
+step directory.
 
 The directory must be visible to every trainer rank (one host, or a shared filesystem).
 
@@ -33,6 +36,7 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -145,15 +149,20 @@ class RunCheckpoints:
             raise DataPlaneError(f"{pointer} names {name}, which holds no {_DRIVER}: the directory was damaged")
         return path
 
-    def save(self, step: int, policy: Any, driver: dict[str, Any]) -> Path:
+    def save(
+        self, step: int, policy: Any, driver: dict[str, Any], *, extra: Callable[[Path], None] | None = None
+    ) -> Path:
         """Save after ``step`` (0-based, the last finished one): the trainers' state
-        (``policy.save_checkpoint``) and ``driver`` (JSON), then point ``latest`` at it, then prune."""
+        (``policy.save_checkpoint``), ``extra(directory)`` (what else the run keeps there, e.g. a
+        snapshot of the rows it holds) and ``driver`` (JSON), then point ``latest`` at it, then prune."""
         check_int("step", step, low=0)
         name = f"step_{step + 1:06d}"
         final, tmp = self.root / name, self.root / f".tmp-{name}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         policy.save_checkpoint(str(tmp))
+        if extra is not None:
+            extra(tmp)
         doc = {"format": CHECKPOINT_FORMAT, "step": step, **driver}
         (tmp / _DRIVER).write_text(json.dumps(doc, indent=1) + "\n")
         _fsync_tree(tmp)

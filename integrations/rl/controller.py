@@ -53,8 +53,10 @@ from typing import Any
 import torch
 
 import dataplane
-from dataplane import DataPlaneTimeout, InvalidArgument
+from dataplane import DataPlaneError, DataPlaneTimeout, InvalidArgument
 from dataplane.checks import check_int
+from integrations.rl.async_state import load_buffer_rows, save_buffer_rows, slot_from_json, slot_to_json
+from integrations.rl.checkpoint import RunCheckpoints
 from integrations.rl.grpo import GRPO, GRPOConfig
 from integrations.rl.metering import TrafficMeter, add_totals
 from integrations.rl.policy import ActorFailure, Policy, gather
@@ -169,7 +171,8 @@ class AsyncGRPO:
         config: :class:`AsyncConfig`.
         url: the data plane the actors joined (a ``client.url``; it must reach across processes).
 
-    Call :meth:`start` once, :meth:`step` per optimizer step, :meth:`stop` at the end (also after an
+    Call :meth:`start` once (after :meth:`resume` to go on from a checkpoint), :meth:`step` per
+    optimizer step (:meth:`checkpoint` between steps), :meth:`stop` at the end (also after an
     error: it stops the pumps and clears every row the run still holds).
     """
 
@@ -202,6 +205,7 @@ class AsyncGRPO:
         self._threads: list[threading.Thread] = []
         self._stop = False
         self._gate_open = False  # opened by the first publish
+        self._paused = False  # no new reservations while a checkpoint drains the rollouts in flight
         self._published: tuple[int, Any] = (-1, None)  # (weight version, ref of the weights)
         self._steps = 0  # steps finished (trained or not): the issue bound moves with it
         self._live = 0  # groups issued and neither released nor evicted
@@ -267,6 +271,82 @@ class AsyncGRPO:
                 "version": self.policy.version,
                 "traffic": self.meter.totals(),  # this process's own (the trainers and rollouts count theirs)
             }
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def checkpoint(self, root: str, *, keep: int = 2, driver: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Save the run after its last finished step into ``root`` (a
+        :class:`~integrations.rl.checkpoint.RunCheckpoints` directory): no new rollout starts, the ones
+        in flight finish and commit (bounded by ``timeout_s``), then the trainers' state, a snapshot of
+        the buffer's rows, its slots and the controller's counters (with ``driver``'s JSON) are saved
+        and the rollouts go on. Returns the step, the directory, seconds, bytes and the groups kept."""
+        if self._steps < 1:
+            raise InvalidArgument("checkpoint() saves after a step; call step() first")
+        t0 = time.perf_counter()
+        with self._cond:
+            self._paused = True
+        try:
+            deadline, seen = time.monotonic() + self.timeout_s, self.buffer.changes
+            while self.buffer.reserved():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DataPlaneTimeout(f"checkpoint: rollouts still in flight after {self.timeout_s:g} s")
+                seen = self.buffer.wait_change(seen, min(left, 1.0))
+            with self._cond:
+                state: dict[str, Any] = {
+                    "next": self._next,
+                    "steps": self._steps,
+                    "live": self._live,
+                    "counts": dict(self._counts),
+                    "trained_staleness": list(self.trained_staleness),
+                    "slots": [slot_to_json(slot) for slot in self.buffer.ready()],
+                }
+            rows: dict[str, Any] = {}
+            path = RunCheckpoints(root, keep=keep).save(
+                self._steps - 1,
+                self.policy,
+                {**(driver or {}), "controller": state},
+                extra=lambda d: rows.update(save_buffer_rows(self.client, d, self.config.partition_id)),
+            )
+        finally:
+            with self._cond:
+                self._paused = False
+                self._cond.notify_all()
+        return {
+            "step": self._steps - 1,
+            "path": str(path),
+            "seconds": time.perf_counter() - t0,
+            "bytes": sum(f.stat().st_size for f in path.rglob("*") if f.is_file()),
+            "buffer_groups": len(state["slots"]),
+            "buffer_rows": int(rows.get("rows", 0)),
+        }
+
+    def resume(self, root: str) -> dict[str, Any]:
+        """Before :meth:`start`: load the latest checkpoint in ``root`` (the trainers' state, the
+        buffer's rows into the emptied partition, its slots and the counters); returns the driver's
+        document (``step``, and what the driver saved with :meth:`checkpoint`)."""
+        if self._threads:
+            raise InvalidArgument("resume() goes before start()")
+        ckpt = RunCheckpoints(root)
+        doc = ckpt.load(self.policy)
+        path = ckpt.latest()
+        state = doc.get("controller")
+        if path is None or not isinstance(state, dict):
+            raise DataPlaneError(
+                f"{path} was not saved by an asynchronous run (no controller state); resume it with its own example"
+            )
+        slots = [slot_from_json(s) for s in state["slots"]]
+        loaded = load_buffer_rows(self.client, path, self.config.partition_id)
+        if loaded != sum(len(s.keys) for s in slots):
+            raise DataPlaneError(
+                f"{path}: the buffer's snapshot holds {loaded} rows, its slots name {sum(len(s.keys) for s in slots)}"
+            )
+        self.buffer.restore(slots, next_id=int(state["next"]))
+        with self._cond:
+            self._next, self._steps, self._live = int(state["next"]), int(state["steps"]), int(state["live"])
+            self._counts.update(state["counts"])
+            self._last_counts = dict(self._counts)
+            self.trained_staleness = [int(x) for x in state["trained_staleness"]]
+        return doc  # type: ignore[no-any-return]
 
     # -- the train pump --------------------------------------------------------------------------
     def step(self) -> AsyncStepRecord:
@@ -438,7 +518,7 @@ class AsyncGRPO:
                     self._counts["idle"] += time.perf_counter() - t0
                     return None, -1, None
                 room = min(self._allowed(), self.per_call, self.buffer.capacity - self.buffer.occupancy)
-                if self._gate_open and room > 0:
+                if self._gate_open and not self._paused and room > 0:
                     break
                 self._cond.wait(0.5)
             version, ref = self._published

@@ -205,6 +205,24 @@ class ReplayBuffer:
         with self._cond:
             return len(self._slots)
 
+    # -- checkpoints -----------------------------------------------------------------------------
+    def restore(self, slots: Iterable[Slot], *, next_id: int) -> None:
+        """Put committed slots back (a resumed run: their rows were loaded into the store) into an
+        empty buffer; the next reservation gets id ``next_id``."""
+        slots = list(slots)
+        with self._cond:
+            if self._slots:
+                raise InvalidArgument(f"restore needs an empty buffer; it holds {len(self._slots)} slots")
+            if len(slots) > self.capacity:
+                raise InvalidArgument(f"{len(slots)} slots to restore exceed the capacity {self.capacity}")
+            for slot in slots:
+                if slot.state != "committed" or slot.meta is None or slot.id >= next_id:
+                    raise InvalidArgument(f"slot {slot.uid!r} is not a committed slot below id {next_id}")
+                self._slots[slot.id] = slot
+            self._next = check_int("next_id", next_id, low=0)
+            self.peak_occupancy = max(self.peak_occupancy, len(self._slots))
+            self._changed()
+
     # -- internals -------------------------------------------------------------------------------
     def _require(self, slot: Slot, state: str, what: str) -> None:
         if self._slots.get(slot.id) is not slot or slot.state != state:

@@ -112,11 +112,15 @@ def parse_args(argv: Sequence[str] | None = None, *, defaults: Options, module: 
         )
         p.add_argument("--in-order", action="store_true", help="train groups in the order their prompts were issued")
         p.add_argument("--rollout-actors", type=int, default=defaults.rollout_actors)
+    p.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="save the run here (trainers' state, step, versions; asynchronous runs: the replay buffer's rows too)",
+    )
+    p.add_argument("--checkpoint-every", type=int, default=5, metavar="K", help="save every K steps and at the end")
+    p.add_argument("--keep", type=int, default=2, help="step directories kept (the newest; default 2)")
+    p.add_argument("--resume", action="store_true", help="go on from the latest checkpoint in --checkpoint-dir")
     if defaults.algorithm != "grpo_async":
-        p.add_argument("--checkpoint-dir", metavar="DIR", help="save the run here (trainers' state, step, versions)")
-        p.add_argument("--checkpoint-every", type=int, default=5, metavar="K", help="save every K steps and at the end")
-        p.add_argument("--keep", type=int, default=2, help="step directories kept (the newest; default 2)")
-        p.add_argument("--resume", action="store_true", help="go on from the latest checkpoint in --checkpoint-dir")
         p.add_argument(
             "--max-restarts",
             type=int,

@@ -105,11 +105,6 @@ class Options:
             raise InvalidArgument("asynchronous GRPO does not restart its actors yet; drop --max-restarts")
         if self.resume and not self.checkpoint_dir:
             raise InvalidArgument("--resume needs --checkpoint-dir (the directory a run saved into)")
-        if self.checkpoint_dir and self.algorithm == "grpo_async":
-            raise InvalidArgument(
-                "asynchronous GRPO does not checkpoint yet (its replay buffer and in-flight rollouts are not saved); "
-                "drop --checkpoint-dir, or use grpo_tiny / ppo_tiny"
-            )
         if self.engine not in ("torch", "hf"):
             raise InvalidArgument(f"--engine must be 'torch' or 'hf', got {self.engine!r}")
         if self.task_name not in models.TASKS and not os.path.isfile(self.task_name):
@@ -364,10 +359,17 @@ def _value_digest(policy: Policy, opts: Options) -> dict[str, Any]:
 
 
 def _run_async(
-    opts: Options, cluster: Cluster, url: str, on_step: Callable[[Any, Any], None] | None, progress: Progress
+    opts: Options,
+    cluster: Cluster,
+    url: str,
+    on_step: Callable[[Any, Any], None] | None,
+    progress: Progress,
+    out: Any,
 ) -> tuple[float, list[dict[str, Any]], dict[str, Any]]:
     """The asynchronous run: a controller actor (:class:`~integrations.rl.controller.AsyncGRPO`) over
-    the cluster's actors; this driver only asks it for one step at a time."""
+    the cluster's actors; this driver only asks it for one step at a time, a checkpoint every
+    ``--checkpoint-every`` steps (:meth:`~integrations.rl.controller.AsyncGRPO.checkpoint`), and with
+    ``--resume`` to go on from the latest one first."""
     import ray
 
     timeout = 2 * opts.grpo_config().timeout_s + 60
@@ -375,20 +377,30 @@ def _run_async(
         ray.remote(AsyncGRPO).options(num_cpus=0).remote(cluster.policy, cluster.rollouts, opts.async_config(), url=url)
     )
 
-    def call(method: str) -> Any:
-        return gather([getattr(controller, method).remote()], timeout_s=timeout, what=method, names=["controller"])[0]
+    def call(method: str, *args: Any, **kw: Any) -> Any:
+        ref = getattr(controller, method).remote(*args, **kw)
+        return gather([ref], timeout_s=timeout, what=method, names=["controller"])[0]
 
     steps: list[dict[str, Any]] = []
     stats: dict[str, Any] = {}
+    saved: list[dict[str, Any]] = []  # each checkpoint's step, seconds, bytes and buffered groups
     try:
+        if opts.resume:
+            assert opts.checkpoint_dir is not None
+            steps = list(call("resume", opts.checkpoint_dir)["steps"])
+            where = RunCheckpoints(opts.checkpoint_dir).latest()
+            print(f"resumed from {where} after step {len(steps)}", file=out, flush=True)
         call("start")
         t_ready = time.perf_counter()
-        for _ in range(opts.steps):
+        for step in range(len(steps), opts.steps):
             record = call("step")
             if on_step is not None:
                 on_step(record, controller)
             steps.append(record.summary())
             progress.step(steps[-1])
+            if opts.checkpoint_dir and ((step + 1) % opts.checkpoint_every == 0 or step + 1 == opts.steps):
+                driver = {"steps": steps, "options": asdict(opts)}
+                saved.append(call("checkpoint", opts.checkpoint_dir, keep=opts.keep, driver=driver))
     finally:
         try:
             stats = call("stop")
@@ -404,6 +416,7 @@ def _run_async(
         "controller": stats,
         "traffic": add_totals(mine, *cluster.policy.traffic(), *rollouts),
         "controller_traffic": mine,
+        **({"checkpoints": saved} if opts.checkpoint_dir else {}),
     }
     return t_ready, steps, extra
 
@@ -517,7 +530,7 @@ def run(
         progress = Progress(opts, out)
         if opts.algorithm == "grpo_async":
             assert url is not None
-            t_ready, steps, extra = _run_async(opts, cluster, url, on_step, progress)
+            t_ready, steps, extra = _run_async(opts, cluster, url, on_step, progress, out)
             totals, driver = extra.pop("traffic"), extra.pop("controller_traffic")
         else:
             t_ready, steps, extra, loop = _run_sync(opts, cluster, client, on_step, progress, out)

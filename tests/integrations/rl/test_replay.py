@@ -153,3 +153,37 @@ def test_in_order_holds_later_groups_behind_an_earlier_one() -> None:
     assert policy.select(stale_first, 5, limit=10) == []  # the earliest is not trainable: nothing after it
     with pytest.raises(InvalidArgument, match="max_staleness"):
         StalenessPolicy.window(-1)
+
+
+def test_committed_slots_round_trip_through_a_snapshot_into_another_deployment(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """What an asynchronous checkpoint keeps: the committed slots as JSON and their rows as a core
+    snapshot; restored into a fresh buffer of another deployment, they train as before (reads work,
+    issue ids go on), and a restore into a buffer that holds slots is refused."""
+    from integrations.rl.async_state import load_buffer_rows, save_buffer_rows, slot_from_json, slot_to_json
+
+    with dataplane.connect() as old:
+        buf = ReplayBuffer(old, capacity=3, partition_id=PID, group_size=2)
+        for _ in range(3):
+            slot = buf.reserve(4)
+            assert slot is not None
+            meta = buf.commit_put(slot, put_rows(old))
+            slot.info["rewards"] = torch.tensor([0.25, 1.0])
+        buf.remove(buf.ready()[:1])  # one trained: two committed slots remain
+        saved = [slot_to_json(s) for s in buf.ready()]
+        rows = save_buffer_rows(old, tmp_path, PID)
+        assert rows["rows"] == 4 and meta.deployment
+    with dataplane.connect() as new:
+        fresh = ReplayBuffer(new, capacity=3, partition_id=PID, group_size=2)
+        assert load_buffer_rows(new, tmp_path, PID) == 4
+        fresh.restore([slot_from_json(d) for d in saved], next_id=3)
+        ready = fresh.ready()
+        assert [(s.id, s.uid, s.weight_version) for s in ready] == [(1, "g1", 4), (2, "g2", 4)]
+        assert ready[0].info["rewards"].tolist() == [0.25, 1.0]
+        got = new.kv_batch_get(ready[0].meta.concat(ready[1].meta), select_fields=["x"])
+        assert got["x"][:, 0].tolist() == [1.0, 1.0, 2.0, 2.0]
+        nxt = fresh.reserve(4)
+        assert nxt is not None and nxt.id == 3  # issue ids go on from the checkpoint
+        with pytest.raises(InvalidArgument, match="empty buffer"):
+            fresh.restore([], next_id=9)
+        with pytest.raises(dataplane.DataPlaneError, match="committed"):
+            slot_to_json(nxt)  # a reservation in flight is never saved
