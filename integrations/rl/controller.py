@@ -184,7 +184,8 @@ class AsyncGRPO:
         self.config = config
         self.policy = policy
         self.meter = TrafficMeter()
-        self.client = self.meter.wrap(dataplane.connect(url))  # the train pump's
+        self._raw = dataplane.connect(url)
+        self.client = self.meter.wrap(self._raw)  # the train pump's (closing it closes _raw)
         if not self.client.capabilities.cross_process:
             self.client.close()
             raise InvalidArgument(
@@ -305,7 +306,8 @@ class AsyncGRPO:
                 self._steps - 1,
                 self.policy,
                 {**(driver or {}), "controller": state},
-                extra=lambda d: rows.update(save_buffer_rows(self.client, d, self.config.partition_id)),
+                # unmetered: a checkpoint's reads are not the steps' traffic (its bytes are reported)
+                extra=lambda d: rows.update(save_buffer_rows(self._raw, d, self.config.partition_id)),
             )
         finally:
             with self._cond:
@@ -335,7 +337,7 @@ class AsyncGRPO:
                 f"{path} was not saved by an asynchronous run (no controller state); resume it with its own example"
             )
         slots = [slot_from_json(s) for s in state["slots"]]
-        loaded = load_buffer_rows(self.client, path, self.config.partition_id)
+        loaded = load_buffer_rows(self._raw, path, self.config.partition_id)
         if loaded != sum(len(s.keys) for s in slots):
             raise DataPlaneError(
                 f"{path}: the buffer's snapshot holds {loaded} rows, its slots name {sum(len(s.keys) for s in slots)}"
