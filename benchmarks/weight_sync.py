@@ -54,6 +54,19 @@ def _engine(model: str) -> Any:
     return HFEngine(CausalLMPolicy(load_causal_lm(_config(model), seed=1)))
 
 
+def _timings(n_params: int, repeat: int, total: list[float], put: list[float], load: list[float]) -> dict[str, Any]:
+    """The report's figures: medians of each part, and the float32 bytes a sync moved per second."""
+    return {
+        "parameters": n_params,
+        "bytes": n_params * 4,
+        "repeat": repeat,
+        "sync_seconds": statistics.median(total),
+        "gather_put_seconds": statistics.median(put),
+        "load_seconds": statistics.median(load),
+        "gbytes_per_second": n_params * 4 / statistics.median(total) / 1e9,
+    }
+
+
 def run_in_process(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -97,13 +110,7 @@ def run_in_process(args: argparse.Namespace) -> dict[str, Any]:
         "dp": 1,
         "in_process": True,
         "device": args.device,
-        "parameters": int(n_params),
-        "bytes": int(n_params) * 4,
-        "repeat": args.repeat,
-        "sync_seconds": statistics.median(total),
-        "gather_put_seconds": statistics.median(put),
-        "load_seconds": statistics.median(load),
-        "gbytes_per_second": int(n_params) * 4 / statistics.median(total) / 1e9,
+        **_timings(int(n_params), args.repeat, total, put, load),
         "sampler_logprob_diff": mean_gap,
         "sampler_logprob_diff_max": max_gap,
     }
@@ -168,13 +175,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "benchmark": f"weight_sync_{args.model}",
         "model": args.model,
         "dp": args.dp,
-        "parameters": int(n_params),
-        "bytes": int(n_params) * 4,
-        "repeat": args.repeat,
-        "sync_seconds": statistics.median(total),
-        "gather_put_seconds": statistics.median(put),
-        "load_seconds": statistics.median(load),
-        "gbytes_per_second": int(n_params) * 4 / statistics.median(total) / 1e9,
+        **_timings(int(n_params), args.repeat, total, put, load),
         "policy_sha256": digest.sha256,
     }
 

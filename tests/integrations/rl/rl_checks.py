@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -73,3 +77,16 @@ def write_rollout(
     shards = shard_meta_for_dp(meta, 2, max_tokens_per_microbatch=mb_tokens)
     assert all(len(s.extra_info["microbatches"]) > 1 for s in shards), "the test wants several microbatches"
     return meta, shards
+
+
+def run_example(example: str, tmp_path: Path, *args: str, timeout_s: float = 600) -> dict[str, Any]:
+    """``python -m integrations.rl.examples.<example> ARGS --json ...`` as a user runs it; its JSON."""
+    out = tmp_path / f"run{len(list(tmp_path.iterdir()))}.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", f"integrations.rl.examples.{example}", *args, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())  # type: ignore[no-any-return]

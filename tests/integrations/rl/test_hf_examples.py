@@ -6,14 +6,12 @@ ends with the same bits. The 20-step command that learns is a soak test (about a
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+from rl_checks import run_example
 
 import dataplane
 from integrations.rl.examples import grpo_tiny
@@ -45,15 +43,7 @@ def test_qwen2_dataplane_run_equals_the_inline_run_bit_for_bit(ray_cluster: None
 
 
 def _example(tmp_path: Path, *args: str) -> dict[str, Any]:
-    out = tmp_path / f"run{len(list(tmp_path.iterdir()))}.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "integrations.rl.examples.grpo_tiny", *args, "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())  # type: ignore[no-any-return]
+    return run_example("grpo_tiny", tmp_path, *args, timeout_s=600)
 
 
 @pytest.mark.soak

@@ -11,14 +11,12 @@ character-level tokenizer and the math reward, rows through a real ``mooncake://
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+from rl_checks import run_example
 
 import dataplane
 from integrations.rl.examples import grpo_text
@@ -95,15 +93,7 @@ def test_text_run_engine_agrees_with_trainer_and_inline_equals_dataplane(ray_clu
 
 
 def _example(tmp_path: Path, *args: str) -> dict[str, Any]:
-    out = tmp_path / f"run{len(list(tmp_path.iterdir()))}.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "integrations.rl.examples.grpo_text", *args, "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())  # type: ignore[no-any-return]
+    return run_example("grpo_text", tmp_path, *args, timeout_s=900)
 
 
 @pytest.mark.soak
