@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -223,3 +224,29 @@ def test_rollout_actor_takes_any_engine_and_text_task() -> None:
     assert ev["eval_prompts"] == 4 and 0 <= ev["eval_accuracy"] <= ev["eval_reward"] <= 1
     with pytest.raises(dataplane.InvalidArgument, match="RolloutEngine"):
         RolloutActor(42, task)
+
+
+def test_the_examples_build_a_gsm8k_task_from_a_users_file(tmp_path: Path) -> None:
+    """``--task FILE``: the last ``--eval-prompts`` records are held out, a character tokenizer is built
+    from the file when no ``--tokenizer`` is given, and the models' vocabulary is its size."""
+    from integrations.rl.examples import grpo_text, models
+
+    path = tmp_path / "train.jsonl"
+    lines = [{"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"} for i in range(12)]
+    path.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    opts = replace(grpo_text.DEFAULTS, task_name=str(path), eval_prompts=4)
+    task = models.build_task(opts)
+    assert (
+        isinstance(task, TextTask)
+        and len(task.train) == 8
+        and [p.answer for p in task.eval_prompts(4)] == ["16", "18", "20", "22"]
+    )
+    assert models.model_vocab(opts, task) == len(task.tokenizer) and task.tokenizer.decode(
+        task.prompt(torch.Generator()).token_ids
+    ).startswith("What is")
+    with pytest.raises(dataplane.InvalidArgument, match="more than --eval-prompts"):
+        models.build_task(replace(opts, eval_prompts=12))
+    with pytest.raises(dataplane.InvalidArgument, match="GSM8K-format JSONL"):
+        replace(opts, task_name=str(tmp_path / "missing.jsonl"))
+    with pytest.raises(dataplane.InvalidArgument, match="--engine hf"):
+        models.rollout_model(replace(grpo_text.DEFAULTS, model="tiny"))
