@@ -21,7 +21,7 @@ import statistics
 import time
 from typing import Any
 
-from benchmarks.harness import bench_main
+from benchmarks.harness import bench_main, machine_info
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -106,6 +106,7 @@ def run_in_process(args: argparse.Namespace) -> dict[str, Any]:
     mean_gap, max_gap = _agreement(worker, engine, args.device)
     return {
         "benchmark": f"weight_sync_{args.model}_in_process_{args.device}",
+        "machine": machine_info(gpus=cuda),
         "model": args.model,
         "dp": 1,
         "in_process": True,

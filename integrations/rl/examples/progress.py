@@ -1,4 +1,8 @@
-"""The examples' step lines, progress bar and step logs (``--log-dir``, ``--tensorboard``)."""
+"""The examples' step lines, progress bar and step logs (``--log-dir``, ``--tensorboard``).
+
+>>> _bar(3, 4, width=8)
+'[######..] 3/4'
+"""
 
 from __future__ import annotations
 

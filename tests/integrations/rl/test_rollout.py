@@ -66,11 +66,37 @@ def test_bad_generation_arguments() -> None:
     with pytest.raises(InvalidArgument, match="prompts"):
         generate(model(), torch.zeros(2, 0, dtype=torch.int64), 4)
     with pytest.raises(InvalidArgument, match="temperature"):
-        generate(model(), torch.zeros(2, 3, dtype=torch.int64), 4, temperature=0.0)
+        generate(model(), torch.zeros(2, 3, dtype=torch.int64), 4, temperature=-1.0)
+    with pytest.raises(InvalidArgument, match="top_p"):
+        generate(model(), torch.zeros(2, 3, dtype=torch.int64), 4, top_p=0.0)
     with pytest.raises(InvalidArgument, match="vocab_size"):
         CountingTask(vocab_size=2)
     with pytest.raises(InvalidArgument, match="eos_id"):
         CountingTask(eos_id=5)
+
+
+def test_greedy_top_p_and_several_stop_tokens() -> None:
+    """temperature 0 takes each step's argmax (log-probs of the T = 1 distribution); top-p never samples
+    outside the nucleus; a row ends at the first of several stop tokens."""
+    m = model()
+    prompts = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    greedy = generate(m, prompts, 5, temperature=0.0)
+    again = generate(m, prompts, 5, temperature=0.0, generator=torch.Generator().manual_seed(9))
+    assert torch.equal(greedy.tokens, again.tokens)
+    with torch.no_grad():
+        for row in range(2):
+            ids = greedy.tokens[row : row + 1, :4]
+            assert int(greedy.tokens[row, 3]) == int(m(ids[:, :3])[0, -1].argmax())
+    nucleus = generate(m, prompts.repeat(20, 1), 1, top_p=0.3, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        probs = torch.softmax(m(prompts)[:, -1], dim=-1)
+    for row, tok in enumerate(nucleus.tokens[:, 3].tolist()):
+        p = probs[row % 2]
+        assert float(p[p > p[tok]].sum()) < 0.3  # the mass ranked above it is short of top_p
+    stops = generate(m, prompts, 6, eos_id=(7, 9), generator=torch.Generator().manual_seed(2))
+    for row, n in enumerate(stops.lengths.tolist()):
+        sampled = stops.tokens[row, 3:n].tolist()
+        assert all(t not in (7, 9) for t in sampled[:-1]) and (n == 9 or sampled[-1] in (7, 9))
 
 
 def test_a_generator_per_block_samples_each_block_as_if_alone() -> None:

@@ -149,6 +149,7 @@ WITHOUT_EXAMPLES = {
     "integrations.rl.examples.grpo_tiny",
     "integrations.rl.examples.ppo_tiny",
     "integrations.rl.examples.grpo_async_tiny",
+    "integrations.rl.examples.grpo_text",
     "integrations.rl.weight_sync",
     "integrations.rl.sync_loop",
     # the verl facade: install() changes the process's import path and environment, and the facade
