@@ -168,19 +168,15 @@ def worker_factories(opts: Any) -> dict[str, Callable[[], RLWorkerMixin]]:
     return out
 
 
-#: Megatron's initial weight scale for the tiny GPT (``init_method_std``; Megatron's default 0.02 is made
-#: for widths in the thousands, and at width 32 learns the counting task too slowly: see ``hf_config``).
-MEGATRON_INIT_STD = 0.1
-
-
 def megatron_factories(opts: Any, shape: TinyConfig) -> tuple[Callable[[], RLWorkerMixin], Callable[[], RLWorkerMixin]]:
     """``--worker megatron``: the policy and the value model as
     :class:`~integrations.rl.workers.megatron_tiny.TinyMegatronWorker` (Megatron-Core on CUDA, TP and PP
-    from ``--tp`` / ``--pp``), with the FSDP2 workers' optimizer settings (Adam, no weight decay,
-    gradients clipped at 1.0). Their weights reach the rollout's tiny model under its names."""
+    from ``--tp`` / ``--pp``): the FSDP2 workers' model with their initial weights (``init="tiny"``, the
+    same seeds) and optimizer settings (Adam, no weight decay, gradients clipped at 1.0). Their weights
+    reach the rollout's tiny model under its names."""
     from integrations.rl.workers.megatron_tiny import TinyMegatronWorker
 
-    common = {"tp": opts.tp, "pp": opts.pp, "optimizer": "adam", "clip_grad": 1.0, "init_method_std": MEGATRON_INIT_STD}
+    common = {"tp": opts.tp, "pp": opts.pp, "optimizer": "adam", "clip_grad": 1.0, "init": "tiny"}
     policy = functools.partial(TinyMegatronWorker, shape, lr=opts.lr, seed=opts.seed, **common)
     value = functools.partial(
         TinyMegatronWorker,

@@ -20,6 +20,12 @@ stack implements :meth:`~RLWorkerMixin.compute_device`, :meth:`~RLWorkerMixin.po
 :meth:`~integrations.rl.split_step.SplitTrainStepMixin.train_world_group`) and the data plane's
 (:meth:`~dataplane.worker.DataPlaneWorkerMixin.replica_group`,
 :meth:`~dataplane.worker.DataPlaneWorkerMixin.is_writeback_leader`).
+
+What the Ray trainer actors need besides (:mod:`integrations.rl.workers.build`): the class hooks
+:meth:`~RLWorkerMixin.setup_parallel_state` / :meth:`~RLWorkerMixin.teardown_parallel_state` (the
+process groups a stack needs before its models are built; nothing for FSDP2) and
+:meth:`~RLWorkerMixin.export_weights` (whole parameters under the rollout model's names, what a
+weight sync sends).
 """
 
 from __future__ import annotations

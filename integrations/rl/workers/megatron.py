@@ -69,7 +69,12 @@ from integrations.rl.conventions import INPUT_IDS, shift_to_tokens
 from integrations.rl.split_step import OpenStep, aggregate_metrics
 from integrations.rl.workers.base import RLWorkerMixin, eval_mode
 from integrations.rl.workers.layout import RankLayout
-from integrations.rl.workers.megatron_weights import NameMap, gather_megatron_parameters
+from integrations.rl.workers.megatron_weights import (
+    NameMap,
+    gather_megatron_parameters,
+    load_megatron_parameters,
+    megatron_shapes,
+)
 
 __all__ = ["MegatronRLWorkerMixin", "megatron_token_logprobs", "require_megatron"]
 
@@ -214,16 +219,29 @@ class MegatronRLWorkerMixin(RLWorkerMixin):
         :func:`~integrations.rl.workers.megatron_weights.gather_megatron_parameters`, then
         :attr:`rollout_names`."""
         whole = gather_megatron_parameters(self.model)
-        if self.rollout_names is None:
-            return whole
+        return whole if self.rollout_names is None else self.rollout_names.apply(whole, **self._heads())
+
+    def import_weights(self, params: dict[str, Tensor]) -> None:
+        """Load whole parameters named for the rollout model (what :meth:`export_weights` returns: a
+        checkpoint of the rollout model, say) into this rank's shards, through :attr:`rollout_names`'
+        inverse (Megatron's own names when it is None); no collective. The optimizer's copies follow
+        (``reload_model_params``)."""
+        whole = params
+        if self.rollout_names is not None:
+            whole = self.rollout_names.to_megatron(params, **self._heads(), shapes=megatron_shapes(self.model))
+        load_megatron_parameters(self.model, whole)
+        reload = getattr(self.optimizer, "reload_model_params", None)
+        if reload is not None:
+            reload()
+
+    def _heads(self) -> dict[str, int]:
         cfg = self.megatron_config()
         heads = int(cfg.num_attention_heads)
-        return self.rollout_names.apply(
-            whole,
-            heads=heads,
-            groups=int(cfg.num_query_groups or heads),
-            head_dim=int(cfg.kv_channels or cfg.hidden_size // heads),
-        )
+        return {
+            "heads": heads,
+            "groups": int(cfg.num_query_groups or heads),
+            "head_dim": int(cfg.kv_channels or cfg.hidden_size // heads),
+        }
 
     def compute_device(self) -> torch.device:
         """The current CUDA device (Megatron trains on GPUs only)."""

@@ -2,16 +2,20 @@
 
 :func:`tiny_megatron_gpt` builds a Megatron GPT of a :class:`~integrations.rl.workers.model.TinyConfig`'s
 shape that computes the same function as :class:`~integrations.rl.workers.model.TinyCausalLM` of that
-shape (the examples' rollout model) with its MLP biases at zero: the local layer spec (no Transformer
-Engine), learned absolute positions, LayerNorm, GELU, no linear biases, untied output layer.
-:class:`TinyMegatronWorker` wraps it with Megatron's DDP and optimizer, and names its exported weights
-for the tiny model (:func:`~integrations.rl.workers.megatron_weights.tiny_name_map`), so a weight sync
-from Megatron trainers lands in a tiny rollout model as is.
+shape (the examples' rollout model) when its attention's biases are zero: the local layer spec (no
+Transformer Engine), learned absolute positions, LayerNorm, GELU, untied output layer.
+:class:`TinyMegatronWorker` wraps it with Megatron's DDP and optimizer, can start from the FSDP2
+worker's initial weights (``init="tiny"``: the attention's biases then zero and frozen, so the
+trainable parameters are the tiny model's too), and names its exported weights for the tiny model
+(:func:`~integrations.rl.workers.megatron_weights.tiny_name_map`), so a weight sync from Megatron
+trainers lands in a tiny rollout model as is.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -19,7 +23,7 @@ from torch import Tensor
 
 from dataplane import InvalidArgument
 from integrations.rl.workers.megatron import MegatronRLWorkerMixin, require_megatron
-from integrations.rl.workers.megatron_weights import tiny_name_map
+from integrations.rl.workers.megatron_weights import load_megatron_parameters, megatron_shapes, tiny_name_map
 
 __all__ = ["TinyMegatronWorker", "tiny_megatron_gpt"]
 
@@ -45,13 +49,15 @@ def tiny_megatron_gpt(
     lr: float = 1e-2,
     clip_grad: float = 1.0e9,
     init_method_std: float = 0.02,
-    add_bias_linear: bool = False,
+    add_bias_linear: bool = True,
+    tiny_weights: Mapping[str, Tensor] | None = None,
 ) -> tuple[Any, Any]:
     """A tiny Megatron GPT (local layer spec, no Transformer Engine, fp32) wrapped in Megatron's DDP,
     and its Megatron optimizer, for tests and examples. Call it on every rank after
-    ``parallel_state.initialize_model_parallel``. Without linear biases (the default) it computes what
-    a :class:`~integrations.rl.workers.model.TinyCausalLM` of the same shape computes with the weights
-    :func:`~integrations.rl.workers.megatron_weights.tiny_name_map` maps (its MLP biases zero).
+    ``parallel_state.initialize_model_parallel``. It computes what a
+    :class:`~integrations.rl.workers.model.TinyCausalLM` of the same shape computes with the weights
+    :func:`~integrations.rl.workers.megatron_weights.tiny_name_map` maps, as long as its attention's
+    biases are zero (the tiny model has none): ``tiny_weights`` makes it so.
 
     Weights are initialised on the CPU from ``seed`` (``use_cpu_initialization``), so the whole model
     is the same for every TP size: a TP = 2 model and a single-GPU one compute the same function. A
@@ -66,8 +72,11 @@ def tiny_megatron_gpt(
         optimizer: ``"sgd"`` or ``"adam"``; ``lr``, ``clip_grad`` go to Megatron's ``OptimizerConfig``.
         init_method_std: Megatron's initial weight scale (``TransformerConfig.init_method_std``; output
             projections get it divided by ``sqrt(2 * n_layers)``).
-        add_bias_linear: biases on every linear layer (Megatron's default; the tiny model's attention has
-            none, so such a model's weights do not map to it).
+        add_bias_linear: biases on every linear layer (Megatron's default).
+        tiny_weights: a :class:`~integrations.rl.workers.model.TinyCausalLM`'s parameters (by its names)
+            to start from instead of Megatron's initialisation: loaded into every rank's shards, with
+            the attention's biases zero and frozen, so the model is that tiny model (trainable
+            parameters and all) on Megatron-Core.
 
     Returns:
         ``(model, optimizer)``: the DDP-wrapped model on the current CUDA device and its optimizer.
@@ -122,6 +131,8 @@ def tiny_megatron_gpt(
     )
     if shape.head == "value" and post:
         gpt.output_layer = _ValueHead(shape.dim)
+    if tiny_weights is not None:
+        _start_from_tiny(gpt, tf, shape, tiny_weights)
     gpt = gpt.cuda(torch.cuda.current_device())
     ddp = DistributedDataParallel(
         config=tf,
@@ -149,6 +160,16 @@ def tiny_megatron_gpt(
     return ddp, opt
 
 
+def _start_from_tiny(gpt: Any, tf: Any, shape: Any, weights: Mapping[str, Tensor]) -> None:
+    """Load a tiny model's weights into ``gpt`` (this rank's shards) and freeze the attention's biases at zero."""
+    heads = {"heads": tf.num_attention_heads, "groups": tf.num_query_groups, "head_dim": tf.kv_channels}
+    whole = tiny_name_map(shape).to_megatron(weights, **heads, shapes=megatron_shapes(gpt))
+    load_megatron_parameters(gpt, whole)
+    for name, p in gpt.named_parameters():
+        if re.search(r"self_attention\.linear_(qkv|proj)\.bias$", name):
+            p.requires_grad_(False)  # zero, as the tiny model has none: the name map checks it stays so
+
+
 def _finalize(model: list[Any], num_tokens: Tensor | None, **kwargs: Any) -> None:
     from megatron.core.distributed import finalize_model_grads
 
@@ -168,13 +189,25 @@ class TinyMegatronWorker(MegatronRLWorkerMixin):
         tp, pp: tensor- and pipeline-parallel sizes (DP = world / (tp * pp)); they must be the trainer
             group's.
         value_shift: see :class:`~integrations.rl.workers.base.RLWorkerMixin` (an ablation switch).
-        options: :func:`tiny_megatron_gpt`'s keyword arguments (``seed``, ``lr``, ``optimizer``, ...).
+        init: ``"megatron"`` (Megatron's initialisation from ``seed``) or ``"tiny"`` (the initial weights
+            of :class:`~integrations.rl.workers.tiny.TinyDTensorWorker` with the same ``seed`` and
+            config: the FSDP2 worker's model, on Megatron-Core).
+        seed: the initial weights' seed.
+        options: :func:`tiny_megatron_gpt`'s keyword arguments (``lr``, ``optimizer``, ...).
     """
 
     def __init__(
-        self, config: Any = None, *, tp: int = 1, pp: int = 1, value_shift: bool = True, **options: Any
+        self,
+        config: Any = None,
+        *,
+        tp: int = 1,
+        pp: int = 1,
+        value_shift: bool = True,
+        init: Literal["megatron", "tiny"] = "megatron",
+        seed: int = 0,
+        **options: Any,
     ) -> None:
-        from integrations.rl.workers.model import TinyConfig
+        from integrations.rl.workers.model import TinyCausalLM, TinyConfig
 
         parallel_state = require_megatron()
         if not dist.is_initialized():
@@ -192,6 +225,13 @@ class TinyMegatronWorker(MegatronRLWorkerMixin):
         else:
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
         self.config = config or TinyConfig()
-        self.model, self.optimizer = tiny_megatron_gpt(self.config, **options)
+        weights = None
+        if init == "tiny":  # TinyDTensorWorker's initial weights: the same seed, the same draws
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                weights = {n: p.detach() for n, p in TinyCausalLM(self.config).named_parameters()}
+        elif init != "megatron":
+            raise InvalidArgument(f"init must be 'megatron' or 'tiny', got {init!r}")
+        self.model, self.optimizer = tiny_megatron_gpt(self.config, seed=seed, tiny_weights=weights, **options)
         self.value_shift = value_shift
         self.rollout_names = tiny_name_map(self.config)

@@ -39,7 +39,10 @@ __all__ = [
     "Gated",
     "NameMap",
     "QKV",
+    "Zero",
     "gather_megatron_parameters",
+    "load_megatron_parameters",
+    "megatron_shapes",
     "tiny_name_map",
 ]
 
@@ -52,6 +55,13 @@ class QKV:
     q: str
     k: str
     v: str
+
+    def fuse(self, q: Tensor, k: Tensor, v: Tensor, heads: int, groups: int, head_dim: int) -> Tensor:
+        """The inverse of :meth:`split`: three projections into Megatron's fused rows."""
+        per = heads // groups
+        rest = tuple(q.shape[1:])
+        parts = (q.reshape(groups, per * head_dim, *rest), k.reshape(groups, head_dim, *rest))
+        return torch.cat([*parts, v.reshape(groups, head_dim, *rest)], dim=1).reshape(-1, *rest)
 
     def split(self, t: Tensor, heads: int, groups: int, head_dim: int) -> dict[str, Tensor]:
         per = heads // groups
@@ -76,12 +86,22 @@ class Gated:
         gate, up = t.chunk(2, dim=0)
         return {self.gate: gate, self.up: up}
 
+    def fuse(self, gate: Tensor, up: Tensor) -> Tensor:
+        return torch.cat([gate, up], dim=0)
 
-Target = str | QKV | Gated
 
-#: Megatron GPT (local layer spec, ``add_bias_linear=False``, learned absolute positions) ->
+@dataclass(frozen=True, slots=True)
+class Zero:
+    """A Megatron parameter the rollout model has no place for, held at zero (a bias the rollout model
+    lacks, frozen): exported only after checking it is still zero, imported as zeros."""
+
+
+Target = str | QKV | Gated | Zero
+
+#: Megatron GPT (local layer spec, learned absolute positions) ->
 #: :class:`~integrations.rl.workers.model.TinyCausalLM`; ``{i}`` is the global layer index. The tiny
-#: model's MLP biases have no Megatron counterpart and are sent as zeros.
+#: model's attention has no biases: Megatron's (``add_bias_linear=True``) are held at zero
+#: (:class:`Zero`); without ``add_bias_linear`` the tiny model's MLP biases are sent as zeros.
 TINY_GPT: dict[str, Target] = {
     "embedding.word_embeddings.weight": "embed.weight",
     "embedding.position_embeddings.weight": "pos.weight",
@@ -90,11 +110,15 @@ TINY_GPT: dict[str, Target] = {
     "decoder.layers.{i}.self_attention.linear_qkv.weight": QKV(
         "blocks.{i}.attn.q.weight", "blocks.{i}.attn.k.weight", "blocks.{i}.attn.v.weight"
     ),
+    "decoder.layers.{i}.self_attention.linear_qkv.bias": Zero(),
     "decoder.layers.{i}.self_attention.linear_proj.weight": "blocks.{i}.attn.o.weight",
+    "decoder.layers.{i}.self_attention.linear_proj.bias": Zero(),
     "decoder.layers.{i}.pre_mlp_layernorm.weight": "blocks.{i}.norm2.weight",
     "decoder.layers.{i}.pre_mlp_layernorm.bias": "blocks.{i}.norm2.bias",
     "decoder.layers.{i}.mlp.linear_fc1.weight": "blocks.{i}.up.weight",
+    "decoder.layers.{i}.mlp.linear_fc1.bias": "blocks.{i}.up.bias",
     "decoder.layers.{i}.mlp.linear_fc2.weight": "blocks.{i}.down.weight",
+    "decoder.layers.{i}.mlp.linear_fc2.bias": "blocks.{i}.down.bias",
     "decoder.final_layernorm.weight": "norm.weight",
     "decoder.final_layernorm.bias": "norm.bias",
     "output_layer.weight": "head.weight",
@@ -141,7 +165,14 @@ class NameMap:
                 if m is None:
                     continue
                 layer = m.groupdict().get("i") or ""
-                if isinstance(target, QKV):
+                if isinstance(target, Zero):
+                    if t.numel() and float(t.abs().max()) != 0.0:
+                        raise InvalidArgument(
+                            f"Megatron's {name} is not zero, and the rollout model has no place for it: "
+                            "freeze it at zero (requires_grad_(False)), or give the name map a target for it"
+                        )
+                    pieces = {}
+                elif isinstance(target, QKV):
                     pieces = target.split(t, heads, groups, head_dim)
                 elif isinstance(target, Gated):
                     pieces = target.split(t)
@@ -159,6 +190,59 @@ class NameMap:
                 "the rollout model lacks does not fit it)"
             )
         return out if self.targets is None else self._fit(out)
+
+    def to_megatron(
+        self,
+        params: Mapping[str, Tensor],
+        *,
+        heads: int,
+        groups: int,
+        head_dim: int,
+        shapes: Mapping[str, tuple[int, ...]],
+    ) -> dict[str, Tensor]:
+        """The inverse of :meth:`apply`: rollout-named whole tensors (a checkpoint of the rollout model,
+        or its initial weights) to the Megatron names of ``shapes`` (name -> whole shape, as
+        :func:`megatron_shapes` gives them for one stage). :class:`Zero` entries come out as zeros,
+        rows a padded vocabulary has beyond the rollout model's as zeros too.
+
+        Raises:
+            InvalidArgument: a Megatron name the table has no entry for, a rollout parameter it needs
+                that ``params`` lacks, or a shape that does not fit.
+        """
+        patterns = [(_pattern(k), v) for k, v in self.table.items()]
+        out: dict[str, Tensor] = {}
+        for name, shape in shapes.items():
+            for pattern, target in patterns:
+                m = pattern.match(name)
+                if m is None:
+                    continue
+                layer = m.groupdict().get("i") or ""
+
+                def get(key: str, layer: str = layer, name: str = name) -> Tensor:
+                    key = key.replace("{i}", layer)
+                    if key not in params:
+                        raise InvalidArgument(f"Megatron's {name} needs the rollout model's {key}, which is not given")
+                    return params[key].detach()
+
+                if isinstance(target, Zero):
+                    t = torch.zeros(shape)
+                elif isinstance(target, QKV):
+                    t = target.fuse(get(target.q), get(target.k), get(target.v), heads, groups, head_dim)
+                elif isinstance(target, Gated):
+                    t = target.fuse(get(target.gate), get(target.up))
+                else:
+                    t = get(target)
+                if t.dim() >= 1 and t.shape[0] < shape[0] and tuple(t.shape[1:]) == tuple(shape[1:]):
+                    t = torch.cat([t, t.new_zeros(shape[0] - t.shape[0], *t.shape[1:])])  # a padded vocabulary
+                if tuple(t.shape) != tuple(shape):
+                    raise InvalidArgument(
+                        f"{name}: Megatron has {tuple(shape)}, the rollout weights give {tuple(t.shape)}"
+                    )
+                out[name] = t
+                break
+            else:
+                raise InvalidArgument(f"the name map has no entry for Megatron's {name}: add it to its table")
+        return out
 
     def _fit(self, out: dict[str, Tensor]) -> dict[str, Tensor]:
         assert self.targets is not None
@@ -232,6 +316,60 @@ def _global_layer_names(module: Any) -> Callable[[str], str]:
     return rename
 
 
+def _shard(t: Tensor, dim: int, tp: int, rank: int, gated: bool) -> Tensor:
+    """This TP rank's shard of a whole tensor (a gated ``linear_fc1``: its slice of gate and of up)."""
+    if gated:
+        gate, up = t.chunk(2, dim=dim)
+        return torch.cat([gate.chunk(tp, dim=dim)[rank], up.chunk(tp, dim=dim)[rank]], dim=dim)
+    return t.chunk(tp, dim=dim)[rank]
+
+
+def _gated_fc1(model: Any) -> Callable[[str], bool]:
+    from megatron.core.utils import get_model_config
+
+    gated = bool(getattr(get_model_config(model), "gated_linear_unit", False))
+    return lambda name: gated and re.search(r"mlp\.linear_fc1\.(weight|bias)$", name) is not None
+
+
+def megatron_shapes(model: Any) -> dict[str, tuple[int, ...]]:
+    """This rank's parameters by their TP = PP = 1 names, with their whole (TP-gathered) shapes."""
+    from megatron.core import parallel_state as ps
+
+    module = _unwrap(model)
+    tp = ps.get_tensor_model_parallel_world_size()
+    rename = _global_layer_names(module)
+    out: dict[str, tuple[int, ...]] = {}
+    for name, p in module.named_parameters():
+        shape = list(p.shape)
+        if tp > 1 and getattr(p, "tensor_model_parallel", False):
+            shape[int(p.partition_dim)] *= tp
+        out[rename(name)] = tuple(shape)
+    return out
+
+
+def load_megatron_parameters(model: Any, whole: Mapping[str, Tensor]) -> None:
+    """Copy whole parameters (TP = PP = 1 names, as :func:`gather_megatron_parameters` returns them)
+    into this rank's shards: each rank takes its TP slice of each tensor-parallel parameter and its
+    stage's layers. No collective. A mixed-precision optimizer keeps its own copies: call its
+    ``reload_model_params()`` after (``MegatronRLWorkerMixin.import_weights`` does)."""
+    from megatron.core import parallel_state as ps
+
+    module = _unwrap(model)
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    rename, gated = _global_layer_names(module), _gated_fc1(model)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            key = rename(name)
+            if key not in whole:
+                raise InvalidArgument(f"no weights for Megatron's {key}")
+            t = whole[key]
+            if tp > 1 and getattr(p, "tensor_model_parallel", False):
+                t = _shard(t, int(p.partition_dim), tp, rank, gated(name))
+            if tuple(t.shape) != tuple(p.shape):
+                raise InvalidArgument(f"{key}: this rank holds {tuple(p.shape)}, the weights give {tuple(t.shape)}")
+            p.copy_(t.to(device=p.device, dtype=p.dtype))
+
+
 def gather_megatron_parameters(model: Any) -> dict[str, Tensor]:
     """Every parameter of a Megatron model whole, on the CPU, by its TP = PP = 1 name (see the module
     docstring). A collective: call it on every rank of the model; every rank gets the same dict.
@@ -241,12 +379,10 @@ def gather_megatron_parameters(model: Any) -> dict[str, Tensor]:
     models whose whole weights fit in host memory (a large model streams them instead).
     """
     from megatron.core import parallel_state as ps
-    from megatron.core.utils import get_model_config
 
     module = _unwrap(model)
-    gated = bool(getattr(get_model_config(model), "gated_linear_unit", False))
     tp = ps.get_tensor_model_parallel_world_size()
-    rename = _global_layer_names(module)
+    rename, gated = _global_layer_names(module), _gated_fc1(model)
     stage: dict[str, Tensor] = {}
     for name, p in module.named_parameters():
         if ".experts." in name:
@@ -256,7 +392,7 @@ def gather_megatron_parameters(model: Any) -> dict[str, Tensor]:
             parts = [torch.empty_like(t) for _ in range(tp)]
             dist.all_gather(parts, t.contiguous(), group=ps.get_tensor_model_parallel_group())
             dim = int(p.partition_dim)
-            if gated and re.search(r"mlp\.linear_fc1\.(weight|bias)$", name):
+            if gated(name):
                 halves = [x.chunk(2, dim=dim) for x in parts]
                 t = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
             else:

@@ -141,7 +141,7 @@ def test_rank_layout_is_megatrons_order_and_a_value_object() -> None:
 # -- Megatron names -> the rollout model's ------------------------------------------------------------
 def megatron_named(model: TinyCausalLM) -> dict[str, torch.Tensor]:
     """What ``gather_megatron_parameters`` returns for a Megatron GPT computing ``model``'s function
-    (the inverse of :data:`TINY_GPT`: q, k, v fused per head; the MLP without biases)."""
+    (written out by hand: q, k, v fused per head, the attention's biases zero)."""
     cfg = model.cfg
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     hd = cfg.dim // cfg.n_heads
@@ -159,7 +159,10 @@ def megatron_named(model: TinyCausalLM) -> dict[str, torch.Tensor]:
         b, m = f"blocks.{i}.", f"decoder.layers.{i}."
         q, k, v = (sd[b + f"attn.{x}.weight"].reshape(cfg.n_heads, hd, cfg.dim) for x in "qkv")
         out[m + "self_attention.linear_qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(3 * cfg.dim, cfg.dim)
+        out[m + "self_attention.linear_qkv.bias"] = torch.zeros(3 * cfg.dim)
         out[m + "self_attention.linear_proj.weight"] = sd[b + "attn.o.weight"]
+        out[m + "self_attention.linear_proj.bias"] = torch.zeros(cfg.dim)
+        out[m + "mlp.linear_fc1.bias"], out[m + "mlp.linear_fc2.bias"] = sd[b + "up.bias"], sd[b + "down.bias"]
         for mine, theirs in (("norm1", "input_layernorm"), ("norm2", "pre_mlp_layernorm")):
             for p in ("weight", "bias"):
                 out[m + f"{theirs}.{p}"] = sd[b + f"{mine}.{p}"]
@@ -172,12 +175,9 @@ def test_the_tiny_name_map_gives_the_rollout_model_its_own_weights(head: str) ->
     cfg = TinyConfig(vocab_size=8, dim=32, n_layers=2, n_heads=4, max_len=32, head=head)  # type: ignore[arg-type]
     torch.manual_seed(0)
     model = TinyCausalLM(cfg)
-    with torch.no_grad():  # a Megatron GPT without linear biases: the tiny MLP's are zero
-        for name, p in model.named_parameters():
-            if name.endswith(("up.bias", "down.bias")):
-                p.zero_()
     names = tiny_name_map(cfg)
-    mapped = names.apply(megatron_named(model), heads=4, groups=4, head_dim=8)
+    megatron = megatron_named(model)
+    mapped = names.apply(megatron, heads=4, groups=4, head_dim=8)
     assert list(mapped) == [n for n, _ in model.named_parameters()]  # the rollout model's order
     for n, p in model.named_parameters():
         assert torch.equal(mapped[n], p.detach()), n
@@ -185,9 +185,21 @@ def test_the_tiny_name_map_gives_the_rollout_model_its_own_weights(head: str) ->
     rollout.load_state_dict(mapped)  # what RolloutActor.load_weights does, by name
     ids = torch.randint(0, 8, (2, 9))
     assert torch.equal(rollout(ids), model(ids))
+    # the inverse (a Megatron model starting from the tiny model's weights): Megatron's names and layout back
+    shapes = {n: tuple(t.shape) for n, t in megatron.items()}
+    back = names.to_megatron(mapped, heads=4, groups=4, head_dim=8, shapes=shapes)
+    assert list(back) == list(shapes) and all(torch.equal(back[n], megatron[n]) for n in shapes)
+
+    # a Megatron GPT without linear biases: the tiny model gets zeros for its MLP's
+    no_bias = {n: t for n, t in megatron.items() if not n.endswith("bias") or "layernorm" in n or "linear." in n}
+    zeroed = names.apply(no_bias, heads=4, groups=4, head_dim=8)
+    assert all(float(zeroed[f"blocks.{i}.{b}.bias"].abs().max()) == 0.0 for i in range(2) for b in ("up", "down"))
+    nonzero = {**megatron, "decoder.layers.1.self_attention.linear_proj.bias": torch.ones(32)}
+    with pytest.raises(InvalidArgument, match=r"linear_proj.bias is not zero.*freeze it at zero"):
+        names.apply(nonzero, heads=4, groups=4, head_dim=8)
 
     # strict: a Megatron parameter nothing takes, a rollout parameter nothing fills, a wrong shape
-    extra = {**megatron_named(model), "decoder.layers.0.self_attention.linear_qkv.bias": torch.zeros(96)}
+    extra = {**megatron_named(model), "decoder.layers.0.self_attention.q_layernorm.weight": torch.ones(8)}
     with pytest.raises(InvalidArgument, match=r"places no rollout parameter for Megatron's \['decoder.layers.0"):
         names.apply(extra, heads=4, groups=4, head_dim=8)
     short = megatron_named(model)
@@ -275,6 +287,8 @@ def test_megatron_options_refuse_what_the_megatron_flows_do_not_do(monkeypatch: 
     assert (opts.worker, opts.ranks) == ("megatron", 2)
     factories = opts.factories()
     assert {worker_class(f).__name__ for f in factories.values()} == {"TinyMegatronWorker"}  # type: ignore[union-attr]
+    assert {f.keywords["init"] for f in factories.values()} == {"tiny"}  # type: ignore[attr-defined]
+    assert factories["policy"].keywords["seed"] == opts.seed and factories["value"].keywords["seed"] == opts.seed + 1  # type: ignore[attr-defined]
     assert factories["policy"].keywords["tp"] == 2 and factories["value"].keywords["value_shift"] is True  # type: ignore[attr-defined]
     with pytest.raises(InvalidArgument, match="--model qwen2 trains with --worker fsdp2"):
         replace(opts, model="qwen2")
