@@ -3,7 +3,10 @@
 The default for one process, for tests, and the benchmark's baseline. A put copies each column once
 into pooled memory (the caller may mutate its tensors afterwards); a get copies the requested rows
 once into pooled memory the caller owns. Locks are held only for bookkeeping, never for copies:
-stored tensors are never mutated in place, a re-write swaps in new ones.
+stored tensors are never mutated in place, a re-write swaps in new ones. Two surfaces of
+:mod:`dataplane.adapters.read_into` let the worker's GPU path skip a copy: a get can land window by
+window in the caller's buffers (``begin_read_into``), and a put can keep host tensors the caller
+hands over (``adopting``). ``client.empty()`` hands out pooled memory.
 
 ``memory://`` is a private store; ``memory://NAME`` is shared by every client in the process that
 names it, and lives until the last of them closes. Memory is per process: another process that
@@ -14,10 +17,11 @@ wrote raises ``DeploymentMismatch``. For several processes use ``mooncake://`` o
 from __future__ import annotations
 
 import builtins
+import contextlib
 import os
 import threading
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 from urllib.parse import parse_qs, urlparse
@@ -25,13 +29,12 @@ from urllib.parse import parse_qs, urlparse
 import numpy as np
 import torch
 
-from dataplane._host.bufpool import BufferPool, default_pool
-from dataplane._host.hostcopy import copy_spans
+from dataplane._host.bufpool import BufferPool
 from dataplane._host.slots import NONE, add_keys, described, grown, lookup, merged_tags
 from dataplane.adapters._memory_claims import MemoryClaims
+from dataplane.adapters._memory_read import Chunk, Read, WindowedMemoryRead, assemble
 from dataplane.checks import check_bytes
 from dataplane.client import Capabilities, Listing
-from dataplane.codec.jagged import offsets_from_lengths
 from dataplane.codec.wire import Column
 from dataplane.errors import CapacityExceeded, DataPlaneTimeout, InvalidArgument, missing_rows_error
 from dataplane.meta import KVBatchMeta, RowInfo
@@ -89,18 +92,6 @@ class MemoryConfig:
         return cls(**{"name": name, **values, **options})
 
 
-class _Chunk:
-    """One put's copy of one column; its bytes count until its last row is gone."""
-
-    __slots__ = ("buf", "live", "nbytes", "offsets")
-
-    def __init__(self, buf: torch.Tensor, offsets: torch.Tensor | None) -> None:
-        self.buf = buf  # dense: [B, *inner]; jagged/object: [sum(L), *inner]
-        self.offsets = offsets  # jagged/object: row i is buf[offsets[i]:offsets[i + 1]]
-        self.nbytes = buf.numel() * buf.element_size()
-        self.live = buf.shape[0] if offsets is None else offsets.numel() - 1
-
-
 class _Partition:
     """Rows as columns, not objects: each live key has a slot, and each field arrays over slots of
     the put (block, by number) holding its newest value, and where that value starts in the put's
@@ -115,7 +106,7 @@ class _Partition:
         self.rows: dict[str, int] = {}  # live key -> slot
         self.schema: dict[str, FieldSchema] = {}
         self.cols: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # field -> (block, start, length)
-        self.blocks: dict[int, dict[str, _Chunk]] = {}  # put (by number) -> its chunks some row still reads
+        self.blocks: dict[int, dict[str, Chunk]] = {}  # put (by number) -> its chunks some row still reads
         self.next_block = 0
         self.slots = 0  # slots handed out
         self.free: list[int] = []  # slots of cleared keys, handed out again
@@ -206,69 +197,23 @@ class _Partition:
         return cols
 
 
-def _stored_copy(col: Column, pool: BufferPool, offsets: dict[int, torch.Tensor]) -> _Chunk:
-    """Copy a column once into pooled memory (columns that share an offsets tensor share its copy)."""
+def _stored_copy(
+    col: Column, pool: BufferPool, offsets: dict[int, torch.Tensor], adopt: set[tuple[int, int]] | None = None
+) -> Chunk:
+    """Copy a column once into pooled memory (columns that share an offsets tensor share its copy),
+    or keep its values as they are where the caller handed them over (:meth:`MemoryStore.adopting`)."""
     values = col.values
-    buf = pool.tensor(tuple(values.shape), values.dtype)
-    buf.copy_(values)
+    if adopt and values.is_cpu and values.is_contiguous() and (values.data_ptr(), values.nbytes) in adopt:
+        buf = values
+    else:
+        buf = pool.tensor(tuple(values.shape), values.dtype)
+        buf.copy_(values)
     if col.offsets is None:
-        return _Chunk(buf, None)
+        return Chunk(buf, None)
     own = offsets.get(id(col.offsets))
     if own is None:
         own = offsets[id(col.offsets)] = col.offsets.clone()
-    return _Chunk(buf, own)
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class _Read:
-    """One field's rows of a get: the chunks they come from, which chunk each row is in (None: all
-    in the first), and where each row starts in its chunk and its length (leading-dim units)."""
-
-    chunks: list[_Chunk]
-    which: np.ndarray | None
-    starts: np.ndarray
-    lengths: np.ndarray
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
-
-
-def _assemble(
-    schemas: Mapping[str, FieldSchema], reads: Mapping[str, _Read], fields: Sequence[str]
-) -> dict[str, Column]:
-    """Copy each field's rows back to back into memory the caller owns (:func:`copy_spans`: one
-    vectorized gather, whichever puts the rows alternate between): fields of 1 MiB or more share one
-    pooled buffer (:meth:`BufferPool.carve`), smaller ones get their own. Jagged fields whose rows
-    have the same lengths share one offsets tensor, hence one ragged dim."""
-    units = {f: int(reads[f].lengths.sum()) for f in fields}
-    nbytes = {f: units[f] * schemas[f].row_nbytes for f in fields}
-    carved = default_pool().carve(nbytes)
-    ragged: list[tuple[np.ndarray, torch.Tensor]] = []
-    out: dict[str, Column] = {}
-    for f in fields:
-        schema, read = schemas[f], reads[f]
-        unit = schema.row_nbytes
-        raw = carved.get(f)
-        if raw is None:
-            raw = torch.empty(nbytes[f], dtype=torch.uint8)
-        if nbytes[f]:
-            sizes = read.lengths * unit
-            srcs = [_as_bytes(c.buf) for c in read.chunks]
-            copy_spans(raw, srcs, read.which, np.cumsum(sizes) - sizes, read.starts * unit, sizes)
-        values = schema.view_rows(raw, units[f])
-        if schema.kind == "dense":
-            out[f] = Column(schema, values)
-            continue
-        offsets = None
-        if schema.kind == "jagged":
-            offsets = next((o for lens, o in ragged if np.array_equal(lens, read.lengths)), None)
-        if offsets is None:
-            offsets = offsets_from_lengths(torch.from_numpy(read.lengths))
-            if schema.kind == "jagged":
-                ragged.append((read.lengths, offsets))
-        out[f] = Column(schema, values, offsets)
-    return out
+    return Chunk(buf, own)
 
 
 class MemoryStore(MemoryClaims, KVStore):
@@ -288,6 +233,7 @@ class MemoryStore(MemoryClaims, KVStore):
         self._bytes = 0
         self._pool = BufferPool(min(cfg.capacity_bytes or (2 << 30), 2 << 30))
         self._caps = Capabilities(backend="memory", cross_process=False, cross_node=False, zero_copy=True)
+        self._adopt = threading.local()  # .held: (data_ptr, nbytes) of tensors this thread's puts keep
         # per store object: another store of the same name (another process, or after this one closed)
         # is another deployment
         self._id = f"memory://{cfg.name or ''}#{os.getpid()}-{uuid.uuid4().hex[:12]}"
@@ -314,6 +260,22 @@ class MemoryStore(MemoryClaims, KVStore):
     def used_rows(self) -> int:
         return self._rows
 
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Pooled host memory (faulted in already, reused): what a put copies from fastest."""
+        return self._pool.tensor(shape, dtype)
+
+    @contextlib.contextmanager
+    def adopting(self, tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+        """A scope in which this thread's puts keep each of ``tensors`` (whole, contiguous host tensors)
+        that a column's values are, as they are, instead of copying them: the caller hands them over
+        and must not write them afterwards (:mod:`dataplane.adapters.read_into`)."""
+        before = getattr(self._adopt, "held", None)
+        self._adopt.held = {(t.data_ptr(), t.nbytes) for t in tensors if t.is_cpu and t.is_contiguous()}
+        try:
+            yield
+        finally:
+            self._adopt.held = before
+
     def _acquire(self, timeout_s: float) -> None:
         if not self._lock.acquire(timeout=timeout_s):
             raise DataPlaneTimeout(f"memory store busy for {timeout_s}s; raise timeout_s or look for a stuck caller")
@@ -335,7 +297,8 @@ class MemoryStore(MemoryClaims, KVStore):
                 "split the batch or raise capacity_bytes"
             )
         shared: dict[int, torch.Tensor] = {}
-        chunks = {field: _stored_copy(col, self._pool, shared) for field, col in columns.items()}
+        adopt = getattr(self._adopt, "held", None)
+        chunks = {field: _stored_copy(col, self._pool, shared, adopt) for field, col in columns.items()}
         self._acquire(timeout_s)
         try:
             part = self._parts.get(partition_id)
@@ -397,6 +360,27 @@ class MemoryStore(MemoryClaims, KVStore):
         meta: KVBatchMeta | None,
         timeout_s: float,
     ) -> Mapping[str, Column]:
+        # Copied outside the lock: a stored buffer is never written after its put publishes it, and
+        # the reads hold the chunks alive even if a concurrent put or clear drops them.
+        return assemble(*self._reads(partition_id, keys, fields, timeout_s), fields)
+
+    def begin_read_into(
+        self,
+        partition_id: str,
+        keys: Sequence[str],
+        fields: Sequence[str],
+        *,
+        meta: KVBatchMeta | None,
+        timeout_s: float,
+    ) -> WindowedMemoryRead:
+        """The get planned, its bytes copied into the caller's buffers on demand
+        (:mod:`dataplane.adapters.read_into`)."""
+        return WindowedMemoryRead(*self._reads(partition_id, keys, fields, timeout_s), fields)
+
+    def _reads(
+        self, partition_id: str, keys: Sequence[str], fields: Sequence[str], timeout_s: float
+    ) -> tuple[dict[str, FieldSchema], dict[str, Read]]:
+        """Where the rows of a get are (under the lock), or ``KeyNotFound``."""
         self._acquire(timeout_s)
         try:
             part = self._parts.get(partition_id)
@@ -412,7 +396,7 @@ class MemoryStore(MemoryClaims, KVStore):
             if missing_fields:
                 raise missing_rows_error(partition_id, (), missing_fields)
             schemas = {f: part.schema[f] for f in fields}
-            reads: dict[str, _Read] = {}
+            reads: dict[str, Read] = {}
             sources: list[tuple[np.ndarray, list[int], np.ndarray | None]] = []
             for f in fields:
                 blocks, starts, lengths = (c[slots] for c in part.cols[f])
@@ -426,12 +410,10 @@ class MemoryStore(MemoryClaims, KVStore):
                         alike = (blocks, distinct.tolist(), inverse)
                     sources.append(alike)
                 _, numbers, which = alike
-                reads[f] = _Read([part.blocks[b][f] for b in numbers], which, starts, lengths)
+                reads[f] = Read([part.blocks[b][f] for b in numbers], which, starts, lengths)
         finally:
             self._lock.release()
-        # Copy outside the lock: a stored buffer is never written after its put publishes it, and
-        # ``reads`` holds the chunks alive even if a concurrent put or clear drops them.
-        return _assemble(schemas, reads, fields)
+        return schemas, reads
 
     def clear(self, partition_id: str, keys: Sequence[str] | None, *, timeout_s: float) -> None:
         self._acquire(timeout_s)
@@ -521,6 +503,23 @@ class _SharedRef(KVStore):
         timeout_s: float,
     ) -> Mapping[str, Column]:
         return self.target.get(partition_id, keys, fields, meta=meta, timeout_s=timeout_s)
+
+    def begin_read_into(
+        self,
+        partition_id: str,
+        keys: Sequence[str],
+        fields: Sequence[str],
+        *,
+        meta: KVBatchMeta | None,
+        timeout_s: float,
+    ) -> WindowedMemoryRead:
+        return self.target.begin_read_into(partition_id, keys, fields, meta=meta, timeout_s=timeout_s)
+
+    def adopting(self, tensors: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager[None]:
+        return self.target.adopting(tensors)
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return self.target.empty(shape, dtype)
 
     def clear(self, partition_id: str, keys: Sequence[str] | None, *, timeout_s: float) -> None:
         self.target.clear(partition_id, keys, timeout_s=timeout_s)

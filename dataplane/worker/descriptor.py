@@ -46,6 +46,7 @@ __all__ = [
     "batch_digest",
     "columns_from_jagged",
     "error_from_info",
+    "objects_column",
     "plan_buffers",
     "stage",
     "unstage",
@@ -207,7 +208,8 @@ def batch_digest(meta: KVBatchMeta, fields: Sequence[str]) -> str:
     return hashlib.blake2b(packed, digest_size=12).hexdigest()
 
 
-def _objects_column(field: str, rows: list[Any]) -> Column:
+def objects_column(field: str, rows: list[Any]) -> Column:
+    """Per-row objects in wire form: msgpack, or pickle where only pickle can hold them."""
     codec: ObjectCodecName = "msgpack"
     try:
         values, offsets = encode_objects(field, rows, "msgpack")
@@ -233,9 +235,9 @@ def columns_from_jagged(data: TensorDictBase, fields: Sequence[str]) -> dict[str
     for name in fields:
         value = data.get(name)
         if isinstance(value, NonTensorStack):
-            out[name] = _objects_column(name, value.tolist())
+            out[name] = objects_column(name, value.tolist())
         elif isinstance(value, NonTensorData):
-            out[name] = _objects_column(name, [value.data] * int(data.batch_size[0]))
+            out[name] = objects_column(name, [value.data] * int(data.batch_size[0]))
         elif isinstance(value, torch.Tensor) and value.is_nested:
             values, offsets = pack_nested(value)
             schema = FieldSchema(kind="jagged", dtype=values.dtype, inner_shape=tuple(values.shape[1:]))

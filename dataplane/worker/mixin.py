@@ -19,6 +19,7 @@ Every rank of a replica group must call ``fetch`` with the same meta, fields and
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 from tensordict import NonTensorStack, TensorDict, TensorDictBase
 
+from dataplane.adapters.read_into import AdoptsPuts, ReadsInto
 from dataplane.checks import check_int
 from dataplane.client import DataPlaneClient, PadValues
 from dataplane.codec.wire import Column, Layout, decode_columns, validate_field_name
@@ -47,6 +49,7 @@ from dataplane.worker.descriptor import (
     batch_digest,
     columns_from_jagged,
     error_from_info,
+    objects_column,
     plan_buffers,
     stage,
     unstage,
@@ -54,7 +57,7 @@ from dataplane.worker.descriptor import (
 )
 from dataplane.worker.microbatch import iter_microbatches
 from dataplane.worker.pinned import process_pool
-from dataplane.worker.pipeline import PinnedMode, move_columns
+from dataplane.worker.pipeline import PinnedMode, direct_store, move_columns, read_columns
 from dataplane.worker.stats import FetchStats, WriteBackStats, notify_stats_observers
 from dataplane.worker.writeback import TokenFields, prepare_writeback, to_host
 
@@ -94,6 +97,11 @@ class DataPlaneWorkerMixin:
             (through the process's bounded pinned pool, chunked and overlapped on a side stream:
             :mod:`dataplane.worker.pinned`), ``"never"`` (plain pageable copies), ``"always"`` (the
             pool also for CPU targets: what the CPU tests run).
+        data_plane_direct: with the pool, let the store's memory be the one the pool copies from
+            and to, where the store allows it (:mod:`dataplane.adapters.read_into`): a fetch reads
+            straight into the pinned chunks (``memory://``), a write-back's host copies land in
+            the client's ``empty()`` memory, which its put sends as it is (``mooncake://``) or keeps
+            (``memory://``). False: read first, then stage (the comparison the benchmark makes).
         last_fetch_stats: stats of this rank's last fetch.
 
     >>> import dataplane, torch
@@ -112,6 +120,7 @@ class DataPlaneWorkerMixin:
     data_plane_timeout_s: float = 300.0
     data_plane_sync_timing: bool = False
     data_plane_pinned: PinnedMode = "auto"
+    data_plane_direct: bool = True
     last_fetch_stats: FetchStats | None = None
     _dp_client: DataPlaneClient | None = None
     _dp_owns_client: bool = False
@@ -221,13 +230,15 @@ class DataPlaneWorkerMixin:
         size = 1 if group is None else dist.get_world_size(group)
         timings: dict[str, float] = {}
         role: Literal["reader", "leader", "sibling"]
+        direct: ReadsInto | None = None  # the store a read into the pinned pool comes from
         if size > 1 and policy != "independent":
             cols, objects, role, store_bytes, bcast_bytes = self._fetch_broadcast(
                 meta, fields, group, timeout_s, timings
             )
             used: Literal["independent", "leader_broadcast"] = "leader_broadcast"
         else:
-            cols, objects, store_bytes = self._fetch_independent(meta, fields, timings)
+            direct = self._direct(meta, target)
+            cols, objects, store_bytes = self._fetch_independent(meta, fields, timings, target, direct)
             role, bcast_bytes, used = "reader", 0, "independent"
         t0 = time.perf_counter()
         out = self._materialize(
@@ -240,7 +251,7 @@ class DataPlaneWorkerMixin:
             pad_to_multiple,
             pad_len,
             target,
-            self.data_plane_pinned,
+            "auto" if direct is not None else self.data_plane_pinned,  # read into place already
         )
         pad_width = None
         if layout == "padded":
@@ -270,13 +281,28 @@ class DataPlaneWorkerMixin:
         if self.data_plane_sync_timing and torch.cuda.is_available():
             torch.cuda.synchronize()
 
+    def _direct(self, meta: KVBatchMeta, device: torch.device | None) -> ReadsInto | None:
+        """The store a fetch to ``device`` reads into the pinned pool from, or None (see
+        :func:`~dataplane.worker.pipeline.direct_store`)."""
+        if not self.data_plane_direct:
+            return None
+        return direct_store(self.data_plane, meta, device, self.data_plane_pinned)
+
     def _fetch_independent(
-        self, meta: KVBatchMeta, fields: list[str], timings: dict[str, float]
+        self,
+        meta: KVBatchMeta,
+        fields: list[str],
+        timings: dict[str, float],
+        device: torch.device | None,
+        store: ReadsInto | None,
     ) -> tuple[dict[str, Column], dict[str, NonTensorStack], int]:
         t0 = time.perf_counter()
-        td = self.data_plane.kv_batch_get(meta, select_fields=fields, layout="jagged")
-        objects = {f: v for f in fields if isinstance(v := td.get(f), NonTensorStack)}
-        cols = columns_from_jagged(td, [f for f in fields if f not in objects])
+        if store is not None and device is not None:  # read into the pinned pool: the one host copy
+            cols, objects = read_columns(self.data_plane, store, meta, fields, device)
+        else:
+            td = self.data_plane.kv_batch_get(meta, select_fields=fields, layout="jagged")
+            objects = {f: v for f in fields if isinstance(v := td.get(f), NonTensorStack)}
+            cols = columns_from_jagged(td, [f for f in fields if f not in objects])
         timings["read_s"] = time.perf_counter() - t0
         return cols, objects, wire_bytes(cols)
 
@@ -294,9 +320,14 @@ class DataPlaneWorkerMixin:
         if group_rank == 0:
             t0 = time.perf_counter()
             try:
-                td = self.data_plane.kv_batch_get(meta, select_fields=fields, layout="jagged")
-                wire = columns_from_jagged(td, fields)
-                del td
+                store = self._direct(meta, device)
+                if store is not None:  # read into the pinned pool, to the comm device
+                    cols, objects = read_columns(self.data_plane, store, meta, fields, device)
+                    wire = {f: cols[f] if f in cols else objects_column(f, objects[f].tolist()) for f in fields}
+                else:
+                    td = self.data_plane.kv_batch_get(meta, select_fields=fields, layout="jagged")
+                    wire = columns_from_jagged(td, fields)
+                    del td
                 if device.type == "cuda":  # to the GPU through the pinned pipeline; staged there
                     wire = move_columns(wire, device, self.data_plane_pinned)
                 t1 = time.perf_counter()
@@ -420,9 +451,18 @@ class DataPlaneWorkerMixin:
             check_lengths=check_lengths,
             to_cpu=self.data_plane_pinned == "never" and not client.capabilities.device_tensors,
         )
+        made: list[torch.Tensor] = []  # host copies made here, nobody else's: the store may keep them
         if self.data_plane_pinned != "never" and not client.capabilities.device_tensors:
-            prepared = to_host(prepared, always=self.data_plane_pinned == "always")  # packed on the GPU first
-        written = client.kv_batch_put(list(meta.keys), prepared, partition_id=meta.partition_id, tags=tags)
+            prepared = to_host(  # packed on the GPU first
+                prepared,
+                always=self.data_plane_pinned == "always",
+                empty=client.empty if self.data_plane_direct else None,
+                made=made,
+            )
+        store = getattr(client, "store", None)
+        keep = store.adopting(made) if made and self.data_plane_direct and isinstance(store, AdoptsPuts) else None
+        with keep if keep is not None else contextlib.nullcontext():
+            written = client.kv_batch_put(list(meta.keys), prepared, partition_id=meta.partition_id, tags=tags)
         seconds = time.perf_counter() - t_start
         notify_stats_observers(WriteBackStats(rows=meta.size, fields=tuple(prepared.keys()), seconds=seconds))
         out = meta.with_fields(written.fields)

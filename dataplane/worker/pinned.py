@@ -5,13 +5,16 @@ through a pinned bounce buffer of its own, one piece at a time). :class:`PinnedP
 through pinned chunks it owns instead, and pipelines them: while chunk ``k`` is copied by the DMA
 engine (a side stream), the CPU fills chunk ``k + 1``.
 
-* **Host to device** (:meth:`PinnedPool.to_device`): the destination is allocated on the caller's
-  current stream, the side stream waits for that stream, each chunk is memcpy'd into a free pinned
-  buffer and copied on the side stream; the caller's stream then waits on the side stream (no device
+* **Host to device** (:meth:`PinnedPool.fill`, :meth:`PinnedPool.to_device`): the destination is
+  allocated on the caller's current stream, the side stream waits for that stream, each chunk is
+  written into a free pinned buffer -- by a store read landing there (``fill``: the fetch's one host
+  copy, :mod:`dataplane.adapters.read_into`) or a memcpy from host tensors (``to_device``) -- and
+  copied on the side stream; the caller's stream then waits on the side stream (no device
   synchronize), so kernels the caller queues next see the data.
 * **Device to host** (:meth:`PinnedPool.to_host`): the side stream waits for the caller's stream (the
   producer's kernels), copies chunks into pinned buffers, and the CPU moves each finished chunk to
-  the (pageable) result while the next one is in flight. Returns when the result is complete.
+  the result while the next one is in flight: memory the caller's ``empty`` makes (a client's, which
+  its put sends or keeps without another copy) or pageable memory. Returns when it is complete.
 * **Bounded memory**: at most ``cap_bytes`` of pinned memory, as ``cap_bytes // chunk_bytes`` buffers
   allocated on first use and reused by every later copy; a tensor larger than the pool streams
   through it. :meth:`close` frees them (the worker mixin calls it in ``close_data_plane``).
@@ -32,8 +35,10 @@ True
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -46,6 +51,8 @@ __all__ = ["DEFAULT_CAP_BYTES", "DEFAULT_CHUNK_BYTES", "PinnedPool", "process_po
 
 DEFAULT_CAP_BYTES = 256 << 20
 DEFAULT_CHUNK_BYTES = 32 << 20
+_WAIT_S = 60.0  # the longest wait for a buffer (a copy of one chunk takes about a millisecond)
+_POLL_S = 20e-6
 
 
 class _Buffer:
@@ -55,10 +62,19 @@ class _Buffer:
         self.data = data
         self.event: Any = None  # the CUDA event of the last copy that used it
 
-    def wait(self) -> None:
-        if self.event is not None:
-            self.event.synchronize()
-            self.event = None
+    def wait(self, timeout_s: float = _WAIT_S) -> None:
+        """Return once the buffer's last copy is done (polled: a stuck copy raises, never hangs)."""
+        if self.event is None:
+            return
+        if not self.event.query():
+            deadline = time.monotonic() + timeout_s
+            while not self.event.query():
+                if time.monotonic() > deadline:
+                    raise DataPlaneTimeout(
+                        f"a pinned buffer's copy did not end within {timeout_s:.0f} s; the GPU is stuck"
+                    )
+                time.sleep(_POLL_S)
+        self.event = None
 
 
 def _bytes(t: Tensor) -> Tensor:
@@ -97,8 +113,8 @@ class PinnedPool:
         else the oldest free one (waiting for its copy), else wait for one to come back."""
         with self._cv:
             while not self._free and self._count >= self.max_buffers:
-                if not self._cv.wait(timeout=60.0):
-                    raise DataPlaneTimeout("no pinned buffer came free within 60 s; a copy is stuck")
+                if not self._cv.wait(timeout=_WAIT_S):
+                    raise DataPlaneTimeout(f"no pinned buffer came free within {_WAIT_S:.0f} s; a copy is stuck")
             idle = self._free and (self._free[0].event is None or self._free[0].event.query())
             if idle or self._count >= self.max_buffers:
                 buf = self._free.popleft()
@@ -124,33 +140,57 @@ class PinnedPool:
             stream = self._streams[index] = torch.cuda.Stream(device=index)  # type: ignore[no-untyped-call]
         return stream
 
-    # -- copies -----------------------------------------------------------------------------------
+    # -- copies ---------------------------------------------------------------------------------
     def to_device(self, tensors: Sequence[Tensor], device: torch.device | str) -> list[Tensor]:
         """Copies of host ``tensors`` on ``device`` (same shapes, dtypes, values), staged through the
         pool; on CUDA the caller's current stream is made to wait for them (no device synchronize)."""
         device = torch.device(device)
+        if device.type == "cuda" and not self._pinned:
+            raise InvalidArgument("a copy to a CUDA device on a machine where torch sees no CUDA")
+        srcs = [_bytes(t if t.is_contiguous() else t.contiguous()) for t in tensors]
+        outs = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in tensors]
+
+        def source(i: int, o: int, window: Tensor) -> None:
+            window.copy_(srcs[i][o : o + window.numel()])
+
+        self.fill(outs, source)
+        return outs
+
+    def fill(self, dsts: Sequence[Tensor], source: Callable[[int, int, Tensor], None]) -> None:
+        """Fill contiguous ``dsts`` (CUDA tensors; host tensors on the CPU path) through the pool:
+        ``source(i, offset, window)`` writes bytes ``offset .. offset + window.numel()`` of what
+        ``dsts[i]`` is to hold into ``window`` (a pinned uint8 buffer), whose copy to ``dsts[i]`` then
+        runs on a side stream while ``source`` fills the next window. On CUDA the caller's current
+        stream is made to wait for the copies (no device synchronize); every buffer comes back, also
+        when ``source`` raises.
+
+        A store read landing here (:mod:`dataplane.adapters.read_into`) is the one host copy of a
+        fetch; :meth:`to_device` is this with ``source`` copying from host tensors.
+        """
+        if not all(d.is_contiguous() for d in dsts):
+            raise InvalidArgument("PinnedPool.fill writes contiguous tensors only")
+        outs = [_bytes(d) for d in dsts]
+        devices = {d.device for d in dsts if d.numel()}
+        if len(devices) > 1:
+            raise InvalidArgument(
+                f"PinnedPool.fill fills tensors of one device at a time, got {sorted(map(str, devices))}"
+            )
+        device = devices.pop() if devices else torch.device("cpu")
         cuda = device.type == "cuda"
         if cuda and not self._pinned:
             raise InvalidArgument("a copy to a CUDA device on a machine where torch sees no CUDA")
-        outs: list[Tensor] = []
         current: Any = torch.cuda.current_stream(device) if cuda else None
         side = self._side_stream(device) if cuda else None
         if side is not None:
             side.wait_stream(current)
         held: list[_Buffer] = []
         try:
-            for t in tensors:
-                src = t if t.is_contiguous() else t.contiguous()
-                dst = torch.empty(src.shape, dtype=src.dtype, device=device)
-                outs.append(dst)
-                if not src.numel():
-                    continue
-                s, d = _bytes(src), _bytes(dst)
-                for o in range(0, s.numel(), self.chunk_bytes):
-                    n = min(self.chunk_bytes, s.numel() - o)
+            for i, d in enumerate(outs):
+                for o in range(0, d.numel(), self.chunk_bytes):
+                    n = min(self.chunk_bytes, d.numel() - o)
                     buf = self._take()
                     held.append(buf)
-                    buf.data[:n].copy_(s[o : o + n])
+                    source(i, o, buf.data[:n])
                     if side is not None:
                         with torch.cuda.stream(side):
                             d[o : o + n].copy_(buf.data[:n], non_blocking=True)
@@ -165,15 +205,26 @@ class PinnedPool:
                 self._give(buf)
             if side is not None:
                 current.wait_stream(side)
-        return outs
 
-    def to_host(self, tensors: Sequence[Tensor]) -> list[Tensor]:
-        """Copies of ``tensors`` in (pageable) host memory, staged through the pool; returns when they
-        are complete. CUDA sources are read after the caller's current stream's queued work."""
+    def to_host(
+        self, tensors: Sequence[Tensor], empty: Callable[[tuple[int, ...], torch.dtype], Tensor] | None = None
+    ) -> list[Tensor]:
+        """Copies of ``tensors`` in host memory, staged through the pool; returns when they are
+        complete. CUDA sources are read after the caller's current stream's queued work. ``empty``
+        makes each result (``shape, dtype -> tensor``; a client's ``empty``, whose memory its put
+        sends without a copy); by default pageable ``torch.empty``."""
         outs: list[Tensor] = []
         for t in tensors:
             src = t if t.is_contiguous() else t.contiguous()
-            dst = torch.empty(src.shape, dtype=src.dtype, device="cpu")
+            dst = None if empty is None else empty(tuple(src.shape), src.dtype)
+            if (
+                dst is None
+                or dst.shape != src.shape
+                or dst.dtype != src.dtype
+                or not dst.is_contiguous()
+                or not dst.is_cpu
+            ):
+                dst = torch.empty(src.shape, dtype=src.dtype, device="cpu")
             outs.append(dst)
             if not src.numel():
                 continue
@@ -207,7 +258,8 @@ class PinnedPool:
                 self._finish(inflight.popleft(), d)
         finally:
             for buf, _, _ in inflight:
-                buf.wait()
+                with contextlib.suppress(DataPlaneTimeout):  # else its event stays: _take waits for it again
+                    buf.wait()
                 self._give(buf)
 
     def _finish(self, item: tuple[_Buffer, int, int], d: Tensor) -> None:

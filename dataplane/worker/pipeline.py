@@ -1,9 +1,19 @@
-"""How host data reaches a GPU in a fetch: every column through the process's pinned pool
+"""How a shard reaches a GPU in a fetch: through the process's pinned pool
 (:mod:`dataplane.worker.pinned`), chunked and overlapped on a side stream.
 
-The store read itself comes first, whole: reading the shard in groups of rows overlapped with their
-copies was measured slower on one H100 (``mooncake://local`` 8.2 -> 1.6 GB/s, ``memory://`` no gain;
-``benchmarks/reports/2026-12-06_1xH100_gpu_path.md``) and is not done.
+Two paths, the first where the store allows it:
+
+* **Read into the pool** (:func:`read_columns`): a store with the
+  :class:`~dataplane.adapters.read_into.ReadsInto` surface (``memory://``) plans the get, and the
+  pool's chunks are filled straight from the store's memory, window by window, each chunk's copy to
+  the GPU overlapping the next window's read: the shard's host bytes are copied once. A store whose
+  read says ``device_direct`` (GPU-direct transfers; none shipped) is handed the GPU tensors
+  themselves, without the pool.
+* **Read, then stage** (:func:`move_columns`): every other store's get lands in host memory of its
+  own (``mooncake://`` over shared memory: memory only its store server writes, whole objects at a
+  time), and the columns are copied from there through the pool. The read comes first, whole:
+  reading the shard in groups of rows overlapped with their copies was measured slower on one H100
+  (``benchmarks/reports/2026-12-06_1xH100_gpu_path_rowgroups.md``).
 
 >>> import torch
 >>> from dataplane.codec.wire import Column, FieldSchema
@@ -14,15 +24,18 @@ copies was measured slower on one H100 (``mooncake://local`` 8.2 -> 1.6 GB/s, ``
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Literal
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 import torch
 
-from dataplane.codec.wire import Column
+from dataplane.adapters.read_into import ReadsInto
+from dataplane.codec.wire import Column, decode_columns
+from dataplane.errors import DataPlaneError
+from dataplane.meta import KVBatchMeta
 from dataplane.worker.pinned import process_pool
 
-__all__ = ["PinnedMode", "move_columns"]
+__all__ = ["PinnedMode", "direct_store", "move_columns", "read_columns"]
 
 PinnedMode = Literal["auto", "always", "never"]
 
@@ -53,3 +66,72 @@ def move_columns(cols: Mapping[str, Column], device: torch.device, pinned: Pinne
         values = next(moved)
         out[f] = Column(cols[f].schema, values, None if cols[f].offsets is None else next(moved))
     return out
+
+
+def direct_store(client: Any, meta: KVBatchMeta, device: torch.device | None, pinned: PinnedMode) -> ReadsInto | None:
+    """The store of ``client`` when a fetch of ``meta`` to ``device`` can read into the pinned pool
+    (:func:`read_columns`), else None: a client without such a store (another adapter, or one wrapped
+    by a metrics or logging client, whose get then stays observed), a closed one, a meta of another
+    deployment (``kv_batch_get`` raises the typed error and its advice), a plain-copy mode
+    (``pinned="never"``) or a host target outside ``pinned="always"``."""
+    if device is None or pinned == "never" or (device.type != "cuda" and pinned != "always"):
+        return None
+    store = getattr(client, "store", None)
+    if not isinstance(store, ReadsInto) or getattr(client, "closed", True):
+        return None
+    ours = getattr(store, "deployment_id", "")
+    if meta.deployment and ours and meta.deployment != ours:
+        return None
+    return store
+
+
+def read_columns(
+    client: Any, store: ReadsInto, meta: KVBatchMeta, fields: Sequence[str], device: torch.device
+) -> tuple[dict[str, Column], dict[str, Any]]:
+    """Fields of ``meta``'s rows read into the pinned pool (see the module docstring): tensor fields
+    as columns on ``device``; object fields decoded on the CPU as ``kv_batch_get`` decodes them
+    (pickle only for the client's ``pickle_fields``).
+
+    Raises what the store's get raises (``KeyNotFound`` before any byte moves); a failure midway
+    returns every pinned buffer (:meth:`~dataplane.worker.pinned.PinnedPool.fill`).
+    """
+    timeout_s = float(getattr(client, "timeout_s", 60.0))
+    read = store.begin_read_into(meta.partition_id, list(meta.keys), list(fields), meta=meta, timeout_s=timeout_s)
+    layout = read.columns
+    objects: dict[str, Any] = {}
+    names: list[str] = []
+    dsts: list[torch.Tensor] = []
+    offsets: dict[int, torch.Tensor] = {}  # host offsets by id: fields of equal lengths share one tensor
+    for f in fields:
+        col = layout.get(f)
+        if col is None or col.num_rows != meta.size:
+            got = "no column" if col is None else f"{col.num_rows} rows"
+            raise DataPlaneError(
+                f"the store planned {got} for field {f!r} of {meta.size} keys; this is an adapter bug, please report it"
+            )
+        if col.schema.kind == "object":
+            raw = torch.empty(col.values.numel(), dtype=torch.uint8)
+            if raw.numel():
+                read.read_into(f, 0, raw)
+            pickle_fields: frozenset[str] = getattr(client, "pickle_fields", frozenset())
+            objects[f] = decode_columns(
+                {f: Column(col.schema, raw, col.offsets)}, meta.size, pickle_fields=pickle_fields
+            ).get(f)
+            continue
+        if col.offsets is not None:
+            offsets.setdefault(id(col.offsets), col.offsets)
+        names.append(f)
+        dsts.append(torch.empty(col.values.shape, dtype=col.values.dtype, device=device))
+    pool = process_pool()
+    moved = dict(zip(offsets, pool.to_device(list(offsets.values()), device), strict=True))
+    if read.device_direct:  # the store writes device memory itself: no staging
+        for f, dst in zip(names, dsts, strict=True):
+            if dst.numel():
+                read.read_into(f, 0, dst.reshape(-1).view(torch.uint8))
+    else:
+        pool.fill(dsts, lambda i, start, window: read.read_into(names[i], start, window))
+    cols: dict[str, Column] = {}
+    for f, dst in zip(names, dsts, strict=True):
+        host = layout[f].offsets
+        cols[f] = Column(layout[f].schema, dst, None if host is None else moved[id(host)])
+    return cols, objects

@@ -16,7 +16,7 @@ Rules (validated before the client is called, so a bad write-back writes nothing
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, Literal
 
 import numpy as np
@@ -156,10 +156,25 @@ def prepare_writeback(
     return out
 
 
-def to_host(fields: TensorDictBase | Mapping[str, Any], *, always: bool = False) -> dict[str, Any]:
+def to_host(
+    fields: TensorDictBase | Mapping[str, Any],
+    *,
+    always: bool = False,
+    empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+    made: list[torch.Tensor] | None = None,
+) -> dict[str, Any]:
     """``fields`` with every CUDA tensor (dense, or jagged nested) copied to host memory through the
     process's pinned pool (:mod:`dataplane.worker.pinned`); everything else as it is (``always``:
     host tensors too, copied through the pool: what the CPU tests run).
+
+    Args:
+        fields: what a write-back puts.
+        always: copy host tensors through the pool too.
+        empty: makes each host copy (``shape, dtype -> tensor``): the client's ``empty``, whose
+            memory its put sends without staging it (``mooncake://``) or keeps (``memory://``,
+            adopting); pageable ``torch.empty`` by default.
+        made: when given, the host copies made here are appended to it (what the caller may hand
+            over to the store: nothing else holds them).
 
     >>> to_host({"x": torch.ones(2)})["x"].tolist()
     [1.0, 1.0]
@@ -183,7 +198,10 @@ def to_host(fields: TensorDictBase | Mapping[str, Any], *, always: bool = False)
             tensors.append(value)
     if not tensors:
         return items
-    moved = iter(process_pool().to_host(tensors))
+    copies = process_pool().to_host(tensors, empty)
+    if made is not None:
+        made += copies
+    moved = iter(copies)
     for name in names:
         if items[name].is_nested:
             values, offsets = next(moved), next(moved)

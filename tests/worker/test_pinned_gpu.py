@@ -37,21 +37,25 @@ def test_fetch_and_write_back_on_the_gpu_equal_the_cpu_path(url: str) -> None:
     keys, fields = make_rows(40)
     with _client(url) as client:
         meta = client.kv_batch_put(keys, fields, partition_id=PARTITION)
-        plain, pooled = Plain(), Plain()
+        plain, pooled, staged = Plain(), Plain(), Plain()
         plain.data_plane_pinned = "never"
-        for w in (plain, pooled):
+        staged.data_plane_direct = False  # read first, then stage: the path before reads landed in the pool
+        for w in (plain, pooled, staged):
             w.setup_data_plane(client)
         for layout in ("jagged", "padded"):
             want = plain.fetch(meta, select_fields=FIELDS, layout=layout, pad_values=PAD, device="cpu")
-            got = pooled.fetch(meta, select_fields=FIELDS, layout=layout, pad_values=PAD, device="cuda")
-            assert got.get("ids").device.type == "cuda"
-            assert fingerprint(got.cpu()) == fingerprint(want), layout
+            for w in (pooled, staged):
+                got = w.fetch(meta, select_fields=FIELDS, layout=layout, pad_values=PAD, device="cuda")
+                assert got.get("ids").device.type == "cuda"
+                assert fingerprint(got.cpu()) == fingerprint(want), layout
         lp = pooled.fetch(meta, select_fields=["logp"], device="cuda").get("logp").float() * 0.5
-        pooled.write_back(meta, {"old": lp}, token_fields=["old"])
-        via_pool = client.kv_batch_get(meta, select_fields=["old"]).get("old")
         plain.write_back(meta, {"old": lp.cpu()}, token_fields=["old"])
-        direct = client.kv_batch_get(meta, select_fields=["old"]).get("old")
-        assert torch.equal(via_pool.values(), direct.values()) and torch.equal(via_pool.offsets(), direct.offsets())
+        want_old = client.kv_batch_get(meta, select_fields=["old"]).get("old")
+        for w in (pooled, staged):
+            w.write_back(meta, {"old": lp}, token_fields=["old"])
+            via_pool = client.kv_batch_get(meta, select_fields=["old"]).get("old")
+            assert torch.equal(via_pool.values(), want_old.values())
+            assert torch.equal(via_pool.offsets(), want_old.offsets())
         stats = process_pool().stats()
         assert stats["buffers_in_use"] == 0 and stats["peak_bytes_in_use"] <= stats["cap_bytes"]
 
@@ -87,11 +91,11 @@ def test_two_fetches_in_flight_on_different_streams_do_not_mix() -> None:
         assert process_pool().stats()["buffers_in_use"] == 0
 
 
-def _plain_fetch(client: Any, meta: KVBatchMeta) -> Any:
+def _plain_fetch(client: Any, meta: KVBatchMeta, fields: list[str] = FIELDS) -> Any:
     w = Plain()
     w.data_plane_pinned = "never"
     w.setup_data_plane(client)
-    return w.fetch(meta, select_fields=FIELDS, pad_values=PAD, device="cpu")
+    return w.fetch(meta, select_fields=fields, pad_values=PAD, device="cpu")
 
 
 def test_a_failing_read_raises_typed_and_returns_every_buffer() -> None:
@@ -109,3 +113,25 @@ def test_a_failing_read_raises_typed_and_returns_every_buffer() -> None:
         assert fingerprint(w.fetch(meta, select_fields=FIELDS, pad_values=PAD, device="cuda").cpu()) == fingerprint(
             _plain_fetch(client, meta)
         )
+
+
+def test_a_read_failing_mid_pipeline_raises_typed_and_returns_every_buffer() -> None:
+    from test_read_into import FIELDS as MORE_FIELDS
+    from test_read_into import _SeamStore, filled
+
+    from dataplane.errors import DataPlaneError
+    from dataplane.store_client import StoreClient
+
+    store = _SeamStore()
+    with StoreClient(store) as client:
+        meta = filled(client)
+        w = Plain()
+        w.setup_data_plane(client)
+        store.fail_after = 2  # the first field's window went to the GPU, the second read fails
+        with pytest.raises(DataPlaneError, match="mid-read"):
+            w.fetch(meta, select_fields=MORE_FIELDS, device="cuda")
+        torch.cuda.synchronize()
+        assert process_pool().stats()["buffers_in_use"] == 0
+        store.fail_after = None
+        got = w.fetch(meta, select_fields=MORE_FIELDS, pad_values=PAD, device="cuda")
+        assert fingerprint(got.cpu()) == fingerprint(_plain_fetch(client, meta, MORE_FIELDS))

@@ -177,18 +177,22 @@ def _timed(fn: Callable[[], Any]) -> dict[str, Any]:
 def scenario_policies(ctx: Ctx) -> dict[str, Any]:
     w = GroupWorker(ctx.group)
     w.setup_data_plane(ctx.client)
+    pooled = GroupWorker(ctx.group)  # reads into the pinned pool (on gloo: the pool's CPU path)
+    pooled.data_plane_pinned = "always"
+    pooled.setup_data_plane(ctx.client)
     out: dict[str, Any] = {}
     for layout in ("jagged", "padded"):
         ref = fingerprint(reference_read(ctx.client, ctx.shard, layout, FIELDS))
         for policy in ("independent", "leader_broadcast", "auto"):
-            for device in (None, ctx.device):
-                td = w.fetch(
+            for device, worker in ((None, w), (ctx.device, w), (ctx.device, pooled)):
+                td = worker.fetch(
                     ctx.shard, select_fields=FIELDS, layout=layout, pad_values=PAD, policy=policy, device=device
                 )
-                stats = w.last_fetch_stats
+                stats = worker.last_fetch_stats
                 assert stats is not None
                 ids = td.get("ids")
-                out[f"{layout}/{policy}/{'None' if device is None else 'dev'}"] = {
+                how = "None" if device is None else "dev" if worker is w else "pooled"
+                out[f"{layout}/{policy}/{how}"] = {
                     "same": fingerprint(td) == ref,
                     "fp": fingerprint(td),
                     "stats": stats.to_dict(),
