@@ -65,7 +65,8 @@ class WindowedRead(Protocol):
     def read_into(self, field: str, start: int, dst: torch.Tensor) -> None:
         """Copy bytes ``start .. start + dst.numel()`` of ``field``'s values into ``dst`` (contiguous
         uint8). Raises ``InvalidArgument`` for a window outside the field or a ``dst`` it cannot
-        write."""
+        write. A ``device_direct`` read writing device memory has finished writing when this returns
+        (the caller's stream was synchronised before the call)."""
         ...
 
 

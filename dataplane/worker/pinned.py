@@ -62,11 +62,13 @@ class _Buffer:
         self.data = data
         self.event: Any = None  # the CUDA event of the last copy that used it
 
-    def wait(self, timeout_s: float = _WAIT_S) -> None:
-        """Return once the buffer's last copy is done (polled: a stuck copy raises, never hangs)."""
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Return once the buffer's last copy is done (polled: a stuck copy raises after ``timeout_s``,
+        default ``_WAIT_S``, never hangs)."""
         if self.event is None:
             return
         if not self.event.query():
+            timeout_s = _WAIT_S if timeout_s is None else timeout_s
             deadline = time.monotonic() + timeout_s
             while not self.event.query():
                 if time.monotonic() > deadline:
@@ -123,7 +125,14 @@ class PinnedPool:
                 self._count += 1
             self._in_use += 1
             self._peak = max(self._peak, self._in_use)
-        buf.wait()
+        try:
+            buf.wait()
+        except BaseException:  # back to the pool (its event kept: the next taker waits for it again)
+            with self._cv:
+                self._free.appendleft(buf)
+                self._in_use -= 1
+                self._cv.notify()
+            raise
         return buf
 
     def _give(self, buf: _Buffer, copied: int = 0) -> None:
@@ -257,9 +266,10 @@ class PinnedPool:
             while inflight:
                 self._finish(inflight.popleft(), d)
         finally:
+            deadline = time.monotonic() + _WAIT_S  # one bound for all of them, not one per buffer
             for buf, _, _ in inflight:
                 with contextlib.suppress(DataPlaneTimeout):  # else its event stays: _take waits for it again
-                    buf.wait()
+                    buf.wait(max(0.0, deadline - time.monotonic()))
                 self._give(buf)
 
     def _finish(self, item: tuple[_Buffer, int, int], d: Tensor) -> None:
@@ -288,11 +298,13 @@ class PinnedPool:
 
     def close(self) -> None:
         """Wait for copies in flight, free every buffer (and torch's cache of freed pinned memory)."""
-        with self._cv:
-            for buf in self._free:
-                buf.wait()
-            self._count -= len(self._free)
+        with self._cv:  # taken out under the lock, waited for outside it (never blocking _take/_give)
+            idle = list(self._free)
+            self._count -= len(idle)
             self._free.clear()
+        deadline = time.monotonic() + _WAIT_S
+        for buf in idle:
+            buf.wait(max(0.0, deadline - time.monotonic()))
         if self._pinned:
             empty = getattr(torch._C, "_host_emptyCache", None)
             if empty is not None:

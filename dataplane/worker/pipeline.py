@@ -76,6 +76,8 @@ def direct_store(client: Any, meta: KVBatchMeta, device: torch.device | None, pi
     (``pinned="never"``) or a host target outside ``pinned="always"``."""
     if device is None or pinned == "never" or (device.type != "cuda" and pinned != "always"):
         return None
+    if not meta.keys:  # kv_batch_get's own checks and errors for an empty meta
+        return None
     store = getattr(client, "store", None)
     if not isinstance(store, ReadsInto) or getattr(client, "closed", True):
         return None
@@ -125,6 +127,8 @@ def read_columns(
     pool = process_pool()
     moved = dict(zip(offsets, pool.to_device(list(offsets.values()), device), strict=True))
     if read.device_direct:  # the store writes device memory itself: no staging
+        if device.type == "cuda":  # the destinations may still be used by work queued on the caller's stream
+            torch.cuda.current_stream(device).synchronize()
         for f, dst in zip(names, dsts, strict=True):
             if dst.numel():
                 read.read_into(f, 0, dst.reshape(-1).view(torch.uint8))

@@ -122,3 +122,25 @@ def test_fetch_and_write_back_through_the_pool_equal_the_plain_path(url: str) ->
         assert torch.equal(via_pool.get("r"), direct.get("r"))
         pooled.close_data_plane()
         assert process_pool().stats()["buffers_in_use"] == 0
+
+
+def test_a_buffer_whose_copy_never_ends_times_out_and_stays_in_the_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stuck copy's buffer raises DataPlaneTimeout (bounded, not a hang) and goes back to the pool:
+    nothing stays checked out, and once its copy is done it serves again."""
+    from dataplane.worker import pinned
+
+    class Never:
+        def query(self) -> bool:
+            return False
+
+    monkeypatch.setattr(pinned, "_WAIT_S", 0.05)
+    pool = pinned.PinnedPool(cap_bytes=64, chunk_bytes=64)  # one buffer
+    buf = pool._take()
+    buf.event = Never()
+    pool._give(buf)
+    for _ in range(3):
+        with pytest.raises(dataplane.DataPlaneTimeout, match="stuck"):
+            pool._take()
+        assert pool.stats()["buffers_in_use"] == 0
+    buf.event = None  # the copy ended
+    assert pool._take() is buf

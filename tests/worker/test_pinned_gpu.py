@@ -87,6 +87,7 @@ def test_two_fetches_in_flight_on_different_streams_do_not_mix() -> None:
             t.start()
         for t in threads:
             t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads), "a fetch hung"
         assert not errors, errors
         assert process_pool().stats()["buffers_in_use"] == 0
 

@@ -131,3 +131,24 @@ def test_a_put_keeps_what_is_handed_over_and_copies_the_rest() -> None:
         assert got["m"].tolist() == [10.0, 11.0, 12.0, 13.0], "not handed over: copied"
         assert got["o"].tolist() == [20.0, 21.0, 22.0, 23.0], "outside the scope: copied"
         assert store.used_bytes == 3 * 16
+
+
+def test_a_read_keeps_its_rows_while_the_keys_are_cleared_and_written_again() -> None:
+    """Rows of 2 MiB (the store's pooled memory): after the plan, the same keys are cleared and put
+    again with other values of the same size, several times, so freed memory is reused; the planned
+    read still copies the rows it planned, and a new read sees the new ones."""
+    rows, width = 4, 1 << 18  # int64: 2 MiB a row
+    keys = [f"k{i}" for i in range(rows)]
+    with dataplane.connect("memory://") as client:
+        store = client.store
+        old = torch.arange(rows * width, dtype=torch.int64).reshape(rows, width)
+        client.kv_batch_put(keys, {"x": old}, partition_id="p")
+        read = store.begin_read_into("p", keys, ["x"], meta=None, timeout_s=5.0)
+        for round_ in range(1, 4):
+            client.kv_clear(keys, partition_id="p")
+            client.kv_batch_put(keys, {"x": torch.full((rows, width), -round_, dtype=torch.int64)}, partition_id="p")
+        raw = old.reshape(-1).view(torch.uint8)
+        assert torch.equal(_windows(read, "x", raw.numel(), 3 << 20), raw)
+        fresh = store.begin_read_into("p", keys, ["x"], meta=None, timeout_s=5.0)
+        now = torch.full((rows, width), -3, dtype=torch.int64).reshape(-1).view(torch.uint8)
+        assert torch.equal(_windows(fresh, "x", now.numel(), 3 << 20), now)
