@@ -280,7 +280,14 @@ class ObservedClient(DataPlaneClient):
         timeout_s: float = 0.0,
         length_tag: str | None = None,
     ) -> KVBatchMeta:
-        n_fields = 1 if isinstance(required_fields, str) else len(required_fields)
+        # bad arguments reach the client's own checks (typed errors), never a TypeError here
+        n_fields = (
+            1
+            if isinstance(required_fields, str)
+            else len(required_fields)
+            if isinstance(required_fields, Sequence)
+            else 0
+        )
         with self._observe("claim_meta", partition_id, 0, n_fields):
             return self.inner.claim_meta(
                 task_name,

@@ -77,6 +77,11 @@ def _check_partition(partition_id: object) -> str:
         raise InvalidArgument(f"partition_id must be a non-empty str of at most 200 characters, got {partition_id!r}")
     if not partition_id.isprintable():
         raise InvalidArgument(f"partition_id {partition_id!r} contains control characters")
+    if partition_id.startswith("__dataplane__"):
+        raise InvalidArgument(
+            f"partition_id {partition_id!r} begins with '__dataplane__', which dataplane keeps for its own "
+            "partitions (claims' finished marks); name it otherwise"
+        )
     return partition_id
 
 

@@ -9,14 +9,16 @@ clear releases a row's bits with its index, so a key put again is a new, unclaim
 What does not map is which rows are ready: TQ's production bits are per TQ field, and a row's
 fields here are in its marker (on SimpleStorage several fields travel as one packed TQ field), and
 tags are ours too. So a claim (1) lists the partition and picks the rows that hold every required
-field and match the filter, (2) reads their indexes and the task's consumed bits, (3) marks the
-first ``n`` rows the task has not consumed as produced in a field of this (task, requirement)
-alone, ``__dataplane__/ready/<digest>`` (a notice to the controller, no data), (4) fetches that
-many rows of that field for the task, and (5) names them. When other claimants of the task took
-some of those rows between (2) and (4), the fetch of a polling controller answers none and the
-claim starts again from (1); dataplane starts TQ with ``controller.polling_mode`` on (TQ's default
-sleeps 5 s in the request thread instead, stalling every client), and refuses claims on one
-without it.
+field and match the filter, in first-put order, (2) reads their global indexes, and (3) sends one
+fetch whose ``sampling_config`` names those indexes, the fields and the filter: the controller's
+sampler (:class:`~dataplane.adapters.transfer_queue._sampler.ClaimSampler`, which dataplane starts
+the controller with) takes, in that order, the first ``n`` that are still rows of the partition, not
+consumed by the task and ready by their marker and tags as the controller holds them, and the
+controller marks them consumed in the same step of its one request thread. A row cleared after (2)
+is never marked (its index is no longer the partition's, or now another key's, checked anew).
+Dataplane starts TQ with ``controller.polling_mode`` on (TQ's default sleeps 5 s in the request
+thread when too few rows are ready, stalling every client) and refuses claims on a TQ started
+without it or with another sampler.
 
 A finished mark is a tag-only row ``__dataplane__/finished/<partition>`` of the partition
 ``__dataplane__/marks``, hidden from listings like every reserved key, removed by a clear of the
@@ -26,17 +28,16 @@ whole partition.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dataplane.adapters.transfer_queue._layout import MARKER, RESERVED_PREFIX, is_reserved, user_key
 from dataplane.adapters.transfer_queue._ops import TQOps
+from dataplane.adapters.transfer_queue._sampler import CLAIM_KEY, CLAIM_SAMPLER_NAME
 from dataplane.adapters.transfer_queue._tokens import marker_fields
 from dataplane.claims import ConsumptionStatus, count_status, tags_match
-from dataplane.errors import BackendUnavailable, DataPlaneTimeout
+from dataplane.errors import BackendUnavailable
 from dataplane.storage import ClaimedRow
 
 __all__ = ["MARKS_PARTITION", "TQClaims"]
@@ -44,13 +45,6 @@ __all__ = ["MARKS_PARTITION", "TQClaims"]
 log = logging.getLogger(__name__)
 
 MARKS_PARTITION = RESERVED_PREFIX + "/marks"
-_READY_PREFIX = RESERVED_PREFIX + "/ready/"
-_READY_SCHEMA = {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": True}
-
-
-def _ready_field(task_name: str, fields: Sequence[str], tag_filter: Mapping[str, Any] | None) -> str:
-    spec = json.dumps([task_name, sorted(fields), tag_filter or {}], sort_keys=True, default=repr)
-    return _READY_PREFIX + hashlib.blake2b(spec.encode(), digest_size=10).hexdigest()
 
 
 def _finished_key(partition_id: str) -> str:
@@ -68,6 +62,7 @@ class TQClaims:
         self.ops = ops
         controller = getattr(conf, "controller", None) if conf is not None else None
         self.polling = bool(getattr(controller, "polling_mode", False))
+        self.claim_sampler = getattr(controller, "sampler", None) == CLAIM_SAMPLER_NAME
 
     async def _rows(self, partition_id: str) -> dict[str, dict[str, Any]]:
         """The committed rows of the partition (stored key -> tags with the marker), first-put order."""
@@ -105,42 +100,39 @@ class TQClaims:
         tag_filter: Mapping[str, Any] | None,
         budget_s: float,
     ) -> list[ClaimedRow]:
-        if not self.polling:
+        if not self.polling or not self.claim_sampler:
             raise BackendUnavailable(
-                "claims on tq:// need TransferQueue's controller in polling mode, and this TransferQueue was "
-                "started without it; start it through dataplane (tq://?backend=...), which turns it on, or pass "
-                "tq_conf={'controller': {'polling_mode': True}} to whatever starts it"
+                "claims on tq:// need TransferQueue's controller in polling mode with dataplane's claim sampler, "
+                "and this TransferQueue was started without them (a tq_conf that sets controller.sampler or turns "
+                "polling_mode off, or a TransferQueue started outside dataplane); start it through dataplane "
+                "(tq://?backend=...) with the default sampler"
             )
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + budget_s
         need = frozenset(fields)
-        field = _ready_field(task_name, fields, tag_filter)
-        while True:
-            rows = await self._rows(partition_id)
-            ready = [
-                k for k, t in rows.items() if need <= marker_fields(t[MARKER]) and tags_match(_user_tags(t), tag_filter)
-            ]
-            if not ready:
-                return []
-            where, consumed = await asyncio.gather(
-                self._indexes(partition_id, ready), self._consumed(partition_id, task_name)
-            )
-            want = [where[k] for k in ready if k in where and where[k] not in consumed][:n]
-            if not want:
-                return []
-            self.ops.round_trips += 2
-            await self.ops.manager.notify_data_update(partition_id, want, {field: dict(_READY_SCHEMA)}, None)
-            got = await self.ops.client.async_get_meta(
-                data_fields=[field], batch_size=len(want), partition_id=partition_id, mode="fetch", task_name=task_name
-            )
-            if got.size:
-                return await self._named(partition_id, got, rows, need, tag_filter)
-            if loop.time() >= deadline:  # others keep taking the rows first
-                raise DataPlaneTimeout(
-                    f"claiming rows of partition {partition_id!r} for task {task_name!r} lost every race for "
-                    f"{budget_s:g}s; raise timeout_s or claim fewer rows at a time"
-                )
-            await asyncio.sleep(0.001)
+        rows = await self._rows(partition_id)
+        ready = [
+            k for k, t in rows.items() if need <= marker_fields(t[MARKER]) and tags_match(_user_tags(t), tag_filter)
+        ]
+        if not ready:
+            return []
+        where = await self._indexes(partition_id, ready)
+        order = [where[k] for k in ready if k in where]
+        if not order:
+            return []
+        # one request: the controller's sampler checks each index again and marks what it returns
+        # consumed in the same step (_sampler.ClaimSampler), so no index is marked for a row not seen ready
+        spec = {"order": order, "fields": sorted(need), "tag_filter": dict(tag_filter or {}), "n": n}
+        self.ops.round_trips += 1
+        got = await self.ops.client.async_get_meta(
+            data_fields=[],
+            batch_size=1,
+            partition_id=partition_id,
+            mode="fetch",
+            task_name=task_name,
+            sampling_config={CLAIM_KEY: spec},
+        )
+        if not got.size:
+            return []
+        return await self._named(partition_id, got, rows, need, tag_filter)
 
     async def _named(
         self,
@@ -150,9 +142,9 @@ class TQClaims:
         need: frozenset[str],
         tag_filter: Mapping[str, Any] | None,
     ) -> list[ClaimedRow]:
-        """The rows a fetch handed out, by key, in first-put order. Each is checked against its tags
-        as the controller holds them now: a row that does not hold the fields (its index was handed
-        to another key between our read and our mark) is left out, consumed for the task."""
+        """The rows a fetch handed out, by key, in first-put order (the controller's sampler checked
+        each as ready in the step that marked it; a row that fails the check here again is logged
+        and left out, never handed out unready)."""
         self.ops.round_trips += 1
         names = await self.ops.client.async_kv_retrieve_keys(
             global_indexes=list(got.global_indexes), partition_id=partition_id

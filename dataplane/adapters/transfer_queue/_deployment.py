@@ -504,9 +504,15 @@ def _tq_init(conf: dict[str, Any]) -> Any:
     sampler = final.controller.sampler
     if final.metrics.enabled or not isinstance(sampler, str) or not hasattr(itf, sampler):
         return itf.init(conf)
+    sampler_cls: Any = getattr(itf, sampler)
+    if sampler == "SequentialSampler":  # the default: dataplane's, which also serves claims
+        from dataplane.adapters.transfer_queue._sampler import CLAIM_SAMPLER_NAME, ClaimSampler
+
+        sampler_cls = ClaimSampler
+        final.controller.sampler = CLAIM_SAMPLER_NAME  # stored with the config: attaching processes see it
     try:
         itf._TQ_CONTROLLER = itf.TransferQueueController.options(name=CONTROLLER_NAME, namespace=TQ_NAMESPACE).remote(
-            sampler=getattr(itf, sampler), polling_mode=final.controller.polling_mode
+            sampler=sampler_cls, polling_mode=final.controller.polling_mode
         )
     except ValueError:  # another process created it just now: attach, as tq.init does
         itf._init_from_existing()
