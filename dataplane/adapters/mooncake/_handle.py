@@ -355,8 +355,18 @@ class StoreHandle:
         return out
 
     def remove_regex(self, pattern: str) -> int:
+        """Remove every key matching ``pattern``; how many. A failure (Mooncake's negative code) raises
+        ``BackendUnavailable``: a sweep that silently left claim markers or a finished mark behind
+        would make later claims or streams wrong."""
         with self._enter() as st:
-            return int(st.remove_by_regex(pattern, True))
+            rc = int(st.remove_by_regex(pattern, True))
+        if rc < 0:
+            from dataplane.errors import BackendUnavailable
+
+            raise BackendUnavailable(
+                f"Mooncake could not remove the keys matching {pattern!r} (code {rc}); retry the clear"
+            )
+        return rc
 
 
 class _HTTPError(OSError):
