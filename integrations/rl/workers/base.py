@@ -57,7 +57,7 @@ from integrations.rl.split_step import SplitTrainStepMixin, with_token_share
 if TYPE_CHECKING:
     from integrations.rl.workers.layout import RankLayout
 
-__all__ = ["RLWorkerMixin", "eval_mode", "token_counts"]
+__all__ = ["RLWorkerMixin", "eval_mode", "full_parameters", "token_counts"]
 
 
 @contextlib.contextmanager
@@ -163,10 +163,8 @@ class RLWorkerMixin(SplitTrainStepMixin, DataPlaneWorkerMixin):
         A collective: every rank of the model calls it, and every rank gets the same dict. A weight sync
         sends it (:meth:`~integrations.rl.trainer_actor.TrainerActor.state_dict_ref`) and a parameter
         digest hashes it. The default gathers DTensors
-        (:func:`~integrations.rl.workers.dtensor.full_parameters`) and keeps the model's own names.
+        (:func:`full_parameters`) and keeps the model's own names.
         """
-        from integrations.rl.workers.dtensor import full_parameters
-
         return full_parameters(self.model)
 
     # -- split-step hooks ------------------------------------------------------------------------
@@ -380,3 +378,17 @@ def _empty_batch(meta: KVBatchMeta, fields: list[str], device: torch.device) -> 
     width = int(meta.extra_info.get("pad_to_length") or 1)
     rows = {f: torch.zeros(0, width, dtype=torch.int64 if f in _INTEGER_FIELDS else torch.float32) for f in fields}
     return TensorDict(rows, batch_size=[0], device=device)
+
+
+def full_parameters(model: nn.Module) -> dict[str, Tensor]:
+    """Every parameter of ``model`` whole (DTensors gathered), detached, on the CPU.
+
+    A collective for sharded models: call it on every rank of the model's mesh.
+    """
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.detach()
+        out[name] = (t.full_tensor() if isinstance(t, DTensor) else t).cpu().clone()
+    return out

@@ -51,7 +51,7 @@ from torch import Tensor, nn
 
 from dataplane import InvalidArgument
 from dataplane.worker import DeviceMeshReplicaMixin
-from integrations.rl.workers.base import RLWorkerMixin
+from integrations.rl.workers.base import RLWorkerMixin, full_parameters  # full_parameters: also exported here
 
 __all__ = ["DTensorRLWorkerMixin", "full_parameters", "use_sum_reduction"]
 
@@ -76,20 +76,6 @@ def use_sum_reduction(model: nn.Module) -> int:
             module.set_force_sum_reduction_for_comms(True)
             n += 1
     return n
-
-
-def full_parameters(model: nn.Module) -> dict[str, Tensor]:
-    """Every parameter of ``model`` whole (DTensors gathered), detached, on the CPU.
-
-    A collective for sharded models: call it on every rank of the model's mesh.
-    """
-    from torch.distributed.tensor import DTensor
-
-    out = {}
-    for name, p in model.named_parameters():
-        t = p.detach()
-        out[name] = (t.full_tensor() if isinstance(t, DTensor) else t).cpu().clone()
-    return out
 
 
 def _plain(t: Tensor) -> Tensor:

@@ -489,12 +489,3 @@ class MegatronRLWorkerMixin(RLWorkerMixin):
         config = self.megatron_config()
         for name, value in saved.items():
             setattr(config, name, value)
-
-
-def __getattr__(name: str) -> Any:
-    """The tiny reference model and its worker live in :mod:`integrations.rl.workers.megatron_tiny`."""
-    if name in ("TinyMegatronWorker", "tiny_megatron_gpt"):
-        from integrations.rl.workers import megatron_tiny
-
-        return getattr(megatron_tiny, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

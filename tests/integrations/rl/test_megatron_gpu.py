@@ -111,7 +111,7 @@ def _parity(rank: int, world: int, tp: int, pp: int, overlap: bool, per_token: b
     from megatron.core import parallel_state as ps
 
     from integrations.rl.losses import ClippedPolicyLoss
-    from integrations.rl.workers.megatron import TinyMegatronWorker
+    from integrations.rl.workers.megatron_tiny import TinyMegatronWorker
 
     split = TinyMegatronWorker(
         _shape(), tp=tp, pp=pp, lr=LR, overlap_grad_reduce=overlap, calculate_per_token_loss=per_token
@@ -186,7 +186,7 @@ def _failures(rank: int, world: int, tp: int, pp: int) -> dict[str, Any]:
 
     from integrations.rl.losses import ClippedPolicyLoss
     from integrations.rl.split_step import PeerFailure, TrainStepError
-    from integrations.rl.workers.megatron import TinyMegatronWorker
+    from integrations.rl.workers.megatron_tiny import TinyMegatronWorker
 
     class FailingLoss(ClippedPolicyLoss):
         calls = 0
@@ -271,7 +271,7 @@ def _presharded(rank: int, world: int, url: str, shard: Any, rows: dict[str, Any
 
     import dataplane
     from dataplane.observability import CallEvent, ObservedClient
-    from integrations.rl.workers.megatron import TinyMegatronWorker
+    from integrations.rl.workers.megatron_tiny import TinyMegatronWorker
 
     ids = rows["input_ids"].cuda()
     out: dict[str, Any] = {"rank": rank}
