@@ -11,7 +11,7 @@ fields here are in its marker (on SimpleStorage several fields travel as one pac
 tags are ours too. So a claim (1) lists the partition and picks the rows that hold every required
 field and match the filter, in first-put order, (2) reads their global indexes, and (3) sends one
 fetch whose ``sampling_config`` names those indexes, the fields and the filter: the controller's
-sampler (``ClaimSampler``, :func:`~dataplane.adapters.transfer_queue._sampler.claim_sampler`, which dataplane starts
+sampler (:class:`~dataplane.adapters.transfer_queue._claim_sampler.ClaimSampler`, which dataplane starts
 the controller with) takes, in that order, the first ``n`` that are still rows of the partition, not
 consumed by the task and ready by their marker and tags as the controller holds them, and the
 controller marks them consumed in the same step of its one request thread. A row cleared after (2)

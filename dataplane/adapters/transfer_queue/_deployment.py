@@ -506,9 +506,10 @@ def _tq_init(conf: dict[str, Any]) -> Any:
         return itf.init(conf)
     sampler_cls: Any = getattr(itf, sampler)
     if sampler == "SequentialSampler":  # the default: dataplane's, which also serves claims
-        from dataplane.adapters.transfer_queue._sampler import CLAIM_SAMPLER_NAME, claim_sampler
+        from dataplane.adapters.transfer_queue._claim_sampler import ClaimSampler
+        from dataplane.adapters.transfer_queue._sampler import CLAIM_SAMPLER_NAME
 
-        sampler_cls = claim_sampler()
+        sampler_cls = ClaimSampler
         final.controller.sampler = CLAIM_SAMPLER_NAME  # stored with the config: attaching processes see it
     try:
         itf._TQ_CONTROLLER = itf.TransferQueueController.options(name=CONTROLLER_NAME, namespace=TQ_NAMESPACE).remote(

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["CLAIM_KEY", "CLAIM_SAMPLER_NAME", "claim_sampler"]
+__all__ = ["CLAIM_KEY", "CLAIM_SAMPLER_NAME", "claim_indexes"]
 
 #: The ``sampling_config`` key of a claim.
 CLAIM_KEY = "dataplane_claim"
@@ -34,33 +34,7 @@ def _ready(tags: Any, need: frozenset[str], tag_filter: Mapping[str, Any] | None
     return tags_match({t: v for t, v in tags.items() if t != MARKER}, tag_filter)
 
 
-_CLASS: Any = None
-
-
-def claim_sampler() -> Any:
-    """The ``ClaimSampler`` class: ``SequentialSampler`` that also serves claims (see the module
-    docstring). Built on first use, so importing this module does not import TransferQueue; Ray
-    sends the class to the controller by value."""
-    global _CLASS
-    if _CLASS is None:
-        from transfer_queue.sampler import SequentialSampler
-
-        class ClaimSampler(SequentialSampler):  # type: ignore[misc]
-            """``SequentialSampler`` that also serves claims; see :mod:`dataplane.adapters.transfer_queue._sampler`."""
-
-            def sample(
-                self, ready_indexes: list[int], batch_size: int, *args: Any, **kwargs: Any
-            ) -> tuple[list[int], list[int]]:
-                spec = kwargs.pop(CLAIM_KEY, None)
-                if spec is None:
-                    return super().sample(ready_indexes, batch_size, *args, **kwargs)  # type: ignore[no-any-return]
-                return _claim(ready_indexes, kwargs.get("partition"), spec)
-
-        _CLASS = ClaimSampler
-    return _CLASS
-
-
-def _claim(ready_indexes: list[int], partition: Any, spec: Mapping[str, Any]) -> tuple[list[int], list[int]]:
+def claim_indexes(ready_indexes: list[int], partition: Any, spec: Mapping[str, Any]) -> tuple[list[int], list[int]]:
     """The indexes a claim takes: of ``spec["order"]``, those still in the partition, unconsumed
     (in ``ready_indexes``) and ready, at most ``spec["n"]``; all of them marked consumed."""
     if partition is None:

@@ -23,7 +23,7 @@ def test_the_claim_sampler_takes_only_live_ready_unconsumed_rows_in_the_claimant
     from types import SimpleNamespace
 
     from dataplane.adapters.transfer_queue._layout import MARKER, join_fields
-    from dataplane.adapters.transfer_queue._sampler import CLAIM_KEY, claim_sampler
+    from dataplane.adapters.transfer_queue._sampler import CLAIM_KEY
 
     ready, lacking = join_fields({"x", "y"}), join_fields({"y"})
     meta = {
@@ -37,7 +37,9 @@ def test_the_claim_sampler_takes_only_live_ready_unconsumed_rows_in_the_claimant
     part = SimpleNamespace(global_indexes={1, 2, 3, 5, 6, 7}, custom_meta=meta)  # 4 was freed
     spec = {"order": [7, 4, 2, 3, 5, 1, 6], "fields": ["x"], "tag_filter": {"split": "train"}, "n": 2}
     pytest.importorskip("transfer_queue", reason="needs TransferQueue: pip install 'dataplane[tq]'")
-    sampler = claim_sampler()()
+    from dataplane.adapters.transfer_queue._claim_sampler import ClaimSampler
+
+    sampler = ClaimSampler()
     unconsumed = [1, 2, 4, 5, 6, 7]
     assert sampler(unconsumed, 1, partition=part, **{CLAIM_KEY: spec}) == ([7, 1], [7, 1])
     assert sampler(unconsumed, 1, partition=part, **{CLAIM_KEY: {**spec, "n": 9}}) == ([7, 1, 6], [7, 1, 6])
