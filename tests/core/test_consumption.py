@@ -203,7 +203,10 @@ def test_claim_waits_for_min_rows_and_reorders_what_arrives_in_pieces() -> None:
         def later() -> None:
             time.sleep(0.1)
             c.kv_batch_put(["b"], {"x": torch.ones(1)}, partition_id="p")
-            time.sleep(0.1)
+            deadline = time.monotonic() + 20  # a only once the waiting claim holds b: two pieces for sure
+            while c.consumption_status("t", partition_id="p", required_fields="x").claimed < 1:
+                assert time.monotonic() < deadline, "the waiting claim never took b"
+                time.sleep(0.01)
             c.kv_batch_put(["a"], {"x": torch.ones(1)}, partition_id="p")
 
         t = threading.Thread(target=later)

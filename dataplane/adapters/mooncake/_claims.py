@@ -39,6 +39,8 @@ from dataplane.storage import ClaimedRow
 
 __all__ = ["Claims"]
 
+_MARKERS_PER_CALL = 1024  # claim markers written and read back per call: 2 pages each of shared memory (8 MiB)
+
 _Row = tuple[str, frozenset[str], dict[str, Any], str]  # key, fields, tags, row id
 
 
@@ -84,7 +86,7 @@ class Claims(Clears):
         won: builtins.list[tuple[str, dict[str, Any], str]] = []
         at = 0
         while len(won) < n and at < len(todo):  # markers others won move us on to the next rows
-            batch = todo[at : at + n - len(won)]
+            batch = todo[at : at + min(n - len(won), _MARKERS_PER_CALL)]  # bounded shared memory per call
             at += len(batch)
             mine = self._take([head + i for _, _, i in batch], deadline)
             won += [row for row, ok in zip(batch, mine, strict=True) if ok]

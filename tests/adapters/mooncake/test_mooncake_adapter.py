@@ -1305,3 +1305,16 @@ class TestMooncakeAdapter:
             assert [k for k in _all_keys(small) if "/d/" in k and not k.endswith("/x")] == []
             small.kv_batch_put(["b"], {"x": torch.ones(1, 1024)}, partition_id="cap")
             assert small.kv_batch_get(["a", "b"], partition_id="cap", select_fields="x")["x"][1].eq(1).all()
+
+
+def test_a_claim_of_more_rows_than_one_marker_call_takes_them_all_once(owner: StoreClient, other: StoreClient) -> None:
+    """Claim markers go out at most 1,024 a call (bounded shared memory): a claim of 2,000 rows over
+    1,100 ready ones takes every one in first-put order, and another client of the task gets none."""
+    keys = [f"m{i:05d}" for i in range(1100)]
+    owner.kv_batch_put(keys, {"x": torch.ones(len(keys))}, partition_id="many-claims")
+    try:
+        got = owner.claim_meta("t", partition_id="many-claims", required_fields=["x"], batch_size=2000)
+        assert got.keys == tuple(keys)
+        assert other.claim_meta("t", partition_id="many-claims", required_fields=["x"], batch_size=2000).size == 0
+    finally:
+        owner.kv_clear(partition_id="many-claims")
