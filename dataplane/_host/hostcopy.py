@@ -19,7 +19,7 @@ import torch
 
 from dataplane._host.threads import LazyPool, usable_cpus
 
-__all__ = ["copy_bytes", "copy_spans", "gather_bytes"]
+__all__ = ["copy_bytes", "copy_spans", "gather_bytes", "merge_spans"]
 
 _SPLIT_MIN = 4 << 20  # copies from this size on are split; each piece is at least this large
 _MAX_THREADS = 4  # memory-bound: a few threads reach the host's copy bandwidth
@@ -65,6 +65,31 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
             f.result()
 
 
+def merge_spans(
+    which: np.ndarray | None, lands: np.ndarray, starts: np.ndarray, sizes: np.ndarray
+) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, np.ndarray]:
+    """The spans of :func:`copy_spans` without the empty ones, and with neighbours contiguous in both
+    the destination and one source merged: ``(which, lands, starts, sizes)``.
+
+    >>> w, l, s, n = merge_spans(None, np.array([0, 4, 4]), np.array([8, 99, 12]), np.array([4, 0, 4]))
+    >>> l.tolist(), s.tolist(), n.tolist()
+    ([0], [8], [8])
+    """
+    keep = sizes > 0
+    if not keep.all():
+        lands, starts, sizes = lands[keep], starts[keep], sizes[keep]
+        which = None if which is None else which[keep]
+    if len(sizes) > 1:
+        joined = (lands[1:] == lands[:-1] + sizes[:-1]) & (starts[1:] == starts[:-1] + sizes[:-1])
+        if which is not None:
+            joined &= which[1:] == which[:-1]
+        if joined.any():
+            head = np.concatenate((np.zeros(1, dtype=np.int64), np.flatnonzero(~joined) + 1))
+            lands, starts, sizes = lands[head], starts[head], np.add.reduceat(sizes, head)
+            which = None if which is None else which[head]
+    return which, lands, starts, sizes
+
+
 def copy_spans(
     dst: torch.Tensor,
     srcs: Sequence[torch.Tensor],
@@ -84,18 +109,7 @@ def copy_spans(
     scattered with one indexed assignment where they do not land back to back. Long spans, or short
     ones from nearly as many sources, go as slices: one ``np.concatenate`` per stretch landing back
     to back."""
-    keep = sizes > 0
-    if not keep.all():
-        lands, starts, sizes = lands[keep], starts[keep], sizes[keep]
-        which = None if which is None else which[keep]
-    if len(sizes) > 1:
-        joined = (lands[1:] == lands[:-1] + sizes[:-1]) & (starts[1:] == starts[:-1] + sizes[:-1])
-        if which is not None:
-            joined &= which[1:] == which[:-1]
-        if joined.any():
-            head = np.concatenate((np.zeros(1, dtype=np.int64), np.flatnonzero(~joined) + 1))
-            lands, starts, sizes = lands[head], starts[head], np.add.reduceat(sizes, head)
-            which = None if which is None else which[head]
+    which, lands, starts, sizes = merge_spans(which, lands, starts, sizes)
     n = len(sizes)
     if n == 1:
         a, s, m = int(lands[0]), int(starts[0]), int(sizes[0])

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from dataplane._host.bufpool import default_pool
-from dataplane._host.hostcopy import copy_spans
+from dataplane._host.hostcopy import copy_spans, merge_spans
 from dataplane.codec.jagged import offsets_from_lengths
 from dataplane.codec.wire import Column
 from dataplane.errors import InvalidArgument
@@ -112,19 +112,7 @@ class _Spans:
         sizes = read.lengths * unit
         lands = np.cumsum(sizes) - sizes
         total = int(sizes.sum())
-        keep = sizes > 0
-        which, starts = read.which, read.starts * unit
-        if not keep.all():
-            lands, starts, sizes = lands[keep], starts[keep], sizes[keep]
-            which = None if which is None else which[keep]
-        if len(sizes) > 1:
-            joined = (lands[1:] == lands[:-1] + sizes[:-1]) & (starts[1:] == starts[:-1] + sizes[:-1])
-            if which is not None:
-                joined &= which[1:] == which[:-1]
-            if joined.any():
-                head = np.concatenate((np.zeros(1, dtype=np.int64), np.flatnonzero(~joined) + 1))
-                lands, starts, sizes = lands[head], starts[head], np.add.reduceat(sizes, head)
-                which = None if which is None else which[head]
+        which, lands, starts, sizes = merge_spans(read.which, lands, read.starts * unit, sizes)
         srcs = [as_bytes(c.buf) for c in read.chunks]
         return cls(srcs, which, lands, starts, sizes, lands + sizes, total)
 

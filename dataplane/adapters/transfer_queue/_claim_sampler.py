@@ -3,7 +3,7 @@
 This module imports TransferQueue at its top so that Ray sends the class to the controller by
 reference, and the controller's process resolves its base against the ``BaseSampler`` it checks
 (also where a verl facade stands in for the package). Only code that starts a controller imports
-it, inside a function (``_deployment``), so ``import dataplane`` never imports TransferQueue.
+it, inside a function (``_init.tq_init``), so ``import dataplane`` never imports TransferQueue.
 """
 
 from __future__ import annotations
